@@ -1,0 +1,36 @@
+"""Every Redis key mlxq writes besides RQ's own, in one place."""
+
+PREFIX = "mlxq"
+
+
+def event_channel(job_id: str) -> str:
+    """Pub/sub channel on which a job's events are published live."""
+    return f"{PREFIX}:events:{job_id}"
+
+
+EVENT_PATTERN = f"{PREFIX}:events:*"
+"""Pattern the web tier's single pub/sub connection listens on."""
+
+
+def event_log(job_id: str) -> str:
+    """List holding a job's capped replay log (JSON events, oldest first)."""
+    return f"{PREFIX}:log:{job_id}"
+
+
+def event_seq(job_id: str) -> str:
+    """Counter giving a job's events their monotonically increasing ids."""
+    return f"{PREFIX}:seq:{job_id}"
+
+
+def cancel_flag(job_id: str) -> str:
+    """Set when a client asked to cancel the job (or disconnected from its stream)."""
+    return f"{PREFIX}:cancel:{job_id}"
+
+
+def worker_alive(worker_name: str) -> str:
+    """Liveness key the worker refreshes every heartbeat; it expires when the worker dies."""
+    return f"{PREFIX}:worker:{worker_name}:alive"
+
+
+WORKER_ALIVE_PATTERN = f"{PREFIX}:worker:*:alive"
+"""Pattern matching every live worker's liveness key."""

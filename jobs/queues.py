@@ -1,0 +1,72 @@
+"""Queue names, the JSON serializer and enqueueing with explicit ids and TTLs."""
+
+from __future__ import annotations
+
+import uuid
+
+import redis
+from rq import Queue
+from rq.serializers import JSONSerializer
+
+from jobs.settings import Settings
+
+INTERACTIVE = "interactive"
+"""Synchronous OpenAI-style calls and admin control; the worker always drains it first."""
+
+BATCH = "batch"
+"""Async jobs (long transcriptions, async chat)."""
+
+WEBHOOKS = "webhooks"
+"""Webhook deliveries, drained by a plain RQ worker, never the GPU worker."""
+
+WORKER_QUEUES = (INTERACTIVE, BATCH)
+"""The GPU worker's queues, in priority order."""
+
+# Job functions by dotted name: web enqueues by name so it never imports the worker (or MLX).
+CHAT_COMPLETION = "workers.tasks.chat_completion"
+TEXT_COMPLETION = "workers.tasks.text_completion"
+TRANSCRIPTION = "workers.tasks.transcription"
+
+
+class QueueFull(Exception):
+    """The queue holds more jobs than settings.max_queued allows."""
+
+
+def new_job_id(kind: str) -> str:
+    """Return a fresh, explicit, URL-safe job id such as `chatcmpl-3f2a...`."""
+    return f"{kind}-{uuid.uuid4().hex}"
+
+
+def get_queue(name: str, connection: redis.Redis) -> Queue:
+    """Return the RQ queue `name` using the JSON serializer (nothing in Redis is unpickled)."""
+    return Queue(name, connection=connection, serializer=JSONSerializer)
+
+
+def enqueue(
+    connection: redis.Redis,
+    settings: Settings,
+    queue_name: str,
+    func: str,
+    payload: dict,
+    job_id: str,
+    description: str | None = None,
+    timeout_s: int = 3600,
+    at_front: bool = False,
+    meta: dict | None = None,
+):
+    """Enqueue `func(payload)` with an explicit id and TTLs; raise QueueFull when over the limit."""
+    queue = get_queue(queue_name, connection)
+    if len(queue) >= settings.max_queued:
+        raise QueueFull(f"queue {queue_name!r} holds {len(queue)} jobs (limit {settings.max_queued})")
+    return queue.enqueue(
+        func,
+        payload,
+        job_id=job_id,
+        description=description or func.rsplit(".", 1)[-1],
+        job_timeout=timeout_s,
+        result_ttl=settings.result_ttl_s,
+        failure_ttl=settings.result_ttl_s,
+        ttl=settings.result_ttl_s,
+        at_front=at_front,
+        meta=meta or {},
+    )

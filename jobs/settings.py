@@ -1,0 +1,110 @@
+"""Settings shared by web and worker: defaults, then environment (MLXQ_*), then explicit overrides."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+
+def _default_home() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mlxq"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every knob of mlxq. Each field's environment variable is MLXQ_<NAME> unless noted."""
+
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Redis connection URL (environment: REDIS_URL or MLXQ_REDIS_URL)."""
+
+    models_dir: Path = field(default_factory=lambda: _default_home() / "models")
+    """The local model store: one MLX model directory per name."""
+
+    spool_dir: Path = field(default_factory=lambda: _default_home() / "spool")
+    """Directory shared by web and worker where uploads are spooled (never into Redis)."""
+
+    default_model: str = "smollm2-135m"
+    """Model used when a request names none (completions, chat)."""
+
+    api_keys: tuple[str, ...] = ()
+    """Bearer keys accepted on every endpoint; empty means no auth (comma-separated in the env)."""
+
+    admin_key: str = ""
+    """Key required for /rq and admin endpoints when set."""
+
+    max_body_kb: int = 1024
+    """Largest JSON request body accepted, in KiB (413 above it, refused before reading)."""
+
+    max_upload_mb: int = 512
+    """Largest audio upload accepted, in MiB."""
+
+    max_queued: int = 200
+    """Queue length above which new work is refused with 503 + Retry-After."""
+
+    sync_timeout_s: float = 300.0
+    """How long a synchronous call waits for its job before answering 504 with the job id."""
+
+    result_ttl_s: int = 24 * 3600
+    """How long results, job records and event logs are kept after a job ends."""
+
+    event_log_max: int = 50_000
+    """Cap on the per-job replay log (events kept for late joiners)."""
+
+    max_tokens_limit: int = 8192
+    """Upper bound on max_tokens a client may ask for."""
+
+    worker_heartbeat_s: float = 1.0
+    """How often the worker refreshes its liveness key and the running job's heartbeat."""
+
+    worker_dead_after_s: float = 6.0
+    """A worker whose liveness key is older than this is considered dead."""
+
+    memory_budget_mb: int = 0
+    """Memory the worker may fill with resident models (0: 70% of RAM / GPU memory)."""
+
+    cancel_check_every: int = 1
+    """The worker checks for cancellation every N generated tokens."""
+
+    webhook_secret: str = ""
+    """HMAC-SHA256 secret used to sign webhook deliveries."""
+
+    webhook_allow_private: bool = False
+    """Allow webhook URLs that resolve to loopback or private addresses (tests, LANs)."""
+
+    def with_overrides(self, **overrides) -> "Settings":
+        """Return a copy with the given fields replaced (test and CLI overrides)."""
+        return replace(self, **{k: _coerce(self, k, v) for k, v in overrides.items()})
+
+
+def _coerce(settings: Settings, name: str, value):
+    """Convert a string (from the environment) to the type of the field's default."""
+    current = getattr(settings, name)
+    if not isinstance(value, str):
+        return Path(value) if isinstance(current, Path) else value
+    if isinstance(current, bool):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    if isinstance(current, int):
+        return int(value)
+    if isinstance(current, float):
+        return float(value)
+    if isinstance(current, Path):
+        return Path(value).expanduser()
+    if isinstance(current, tuple):
+        return tuple(v.strip() for v in value.split(",") if v.strip())
+    return value
+
+
+def load_settings(overrides: dict | None = None, environ=None) -> Settings:
+    """Build Settings from defaults, then the environment, then `overrides`."""
+    environ = os.environ if environ is None else environ
+    base = Settings()
+    values = {}
+    for f in fields(Settings):
+        key = "MLXQ_" + f.name.upper()
+        if key in environ:
+            values[f.name] = environ[key]
+    if "REDIS_URL" in environ and "MLXQ_REDIS_URL" not in environ:
+        values["redis_url"] = environ["REDIS_URL"]
+    settings = base.with_overrides(**values)
+    return settings.with_overrides(**(overrides or {}))

@@ -1,0 +1,1 @@
+"""The mlxq command line and the process supervisor behind `mlxq up`."""

@@ -1,0 +1,107 @@
+"""Shared fixtures: a private redis-server on a free port (or REDIS_URL), settings pointing at it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from jobs.connection import reset_clients
+from jobs.settings import load_settings
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """Return a TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
+    """Poll `predicate` until it returns a truthy value or `timeout` passes (then fail)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class RedisServer:
+    """A private redis-server process on a free port, with nothing persisted."""
+
+    def __init__(self):
+        self.port = free_port()
+        self.dir = tempfile.mkdtemp(prefix="mlxq-redis-")
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process = None
+
+    def start(self):
+        """Start the server and wait until it answers PING."""
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.fail("redis-server not found on PATH: install it (apt-get install redis-server) or set REDIS_URL")
+        self.process = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", self.dir],
+            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+        )
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=1)
+        wait_until(lambda: _pings(client), 10, what="redis-server to answer")
+        return self
+
+    def stop(self):
+        """Stop the server and remove its directory."""
+        if self.process:
+            self.process.terminate()
+            self.process.wait(10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _pings(client) -> bool:
+    try:
+        return client.ping()
+    except redis.ConnectionError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    """URL of a Redis to test against: REDIS_URL if set, else a private redis-server."""
+    if os.environ.get("REDIS_URL"):
+        yield os.environ["REDIS_URL"]
+        return
+    server = RedisServer().start()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture()
+def redis_conn(redis_url):
+    """A flushed Redis connection for one test."""
+    client = redis.Redis.from_url(redis_url)
+    client.flushdb()
+    yield client
+    reset_clients()
+
+
+@pytest.fixture(scope="session")
+def models_dir():
+    """The model store holding the demo models (fetched by `make test` / `mlxq models pull-demo`)."""
+    return load_settings().models_dir
+
+
+@pytest.fixture()
+def settings(redis_url, models_dir, tmp_path):
+    """Settings for one test: the test Redis, the real model store, a private spool directory."""
+    return load_settings({"redis_url": redis_url, "models_dir": models_dir, "spool_dir": tmp_path / "spool"})

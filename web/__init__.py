@@ -1,0 +1,1 @@
+"""Web tier: the Flask app (never imports MLX)."""

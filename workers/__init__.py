@@ -1,0 +1,1 @@
+"""Everything that touches MLX: the worker, engine, backends, importers."""
