@@ -1,0 +1,43 @@
+# Two commands do all the set-up on a fresh machine: `make run` and `make test` (see README.md).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+UNAME_S := $(shell uname -s)
+
+# MLX backend: Metal on macOS (plain mlx); on Linux the CPU build unless MLX_BACKEND=cuda.
+ifeq ($(UNAME_S),Darwin)
+EXTRAS := dev
+else
+MLX_BACKEND ?= cpu
+EXTRAS := $(MLX_BACKEND),dev
+endif
+
+.PHONY: run test setup system-deps models lint clean
+
+$(BIN)/.installed-$(MLX_BACKEND): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[$(EXTRAS)]'
+	@rm -f $(BIN)/.installed-*
+	@touch $@
+
+setup: system-deps $(BIN)/.installed-$(MLX_BACKEND)
+
+system-deps:
+	@bash scripts/system-deps.sh
+
+models: setup
+	$(BIN)/mlxq models pull-demo
+
+run: models
+	$(BIN)/mlxq up
+
+test: models
+	$(BIN)/python -m pytest
+
+lint: setup
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

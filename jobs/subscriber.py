@@ -1,0 +1,137 @@
+"""Reading a job's events: one pub/sub connection per process fans out to every local listener.
+
+A reader registers its listener first, then replays the log from its last seen id, then forwards
+live events, dropping duplicates; so late joiners and reconnecting clients miss nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import redis
+
+from jobs import keys
+from jobs.events import TERMINAL, decode, read_log
+
+log = logging.getLogger(__name__)
+
+IDLE = {"id": 0, "type": "idle", "data": {}}
+"""Yielded by `follow` when nothing arrived for `idle_s` (lets SSE writers send keep-alives)."""
+
+
+class EventHub:
+    """A single pattern subscription on `mlxq:events:*` dispatching events to per-job local queues."""
+
+    def __init__(self, connection: redis.Redis):
+        self.connection = connection
+        self._listeners: dict[str, set[queue.Queue]] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._prefix = keys.event_channel("")
+
+    @contextmanager
+    def listen(self, job_id: str):
+        """Register a local queue receiving the job's live events for the duration of the block."""
+        self._ensure_running()
+        q: queue.Queue = queue.Queue()
+        with self._lock:
+            self._listeners.setdefault(job_id, set()).add(q)
+        try:
+            yield q
+        finally:
+            with self._lock:
+                listeners = self._listeners.get(job_id, set())
+                listeners.discard(q)
+                if not listeners:
+                    self._listeners.pop(job_id, None)
+
+    def _ensure_running(self):
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="mlxq-event-hub", daemon=True)
+                self._thread.start()
+
+    def _run(self):
+        """Pump pub/sub messages forever, reconnecting with backoff when Redis goes away."""
+        backoff = 0.2
+        while True:
+            pubsub = self.connection.pubsub(ignore_subscribe_messages=True)
+            try:
+                pubsub.psubscribe(keys.EVENT_PATTERN)
+                backoff = 0.2
+                while True:
+                    message = pubsub.get_message(timeout=1.0)
+                    if message and message["type"] == "pmessage":
+                        self._dispatch(message["channel"], message["data"])
+            except redis.RedisError as exc:
+                # Missed events are recovered from the replay log by `follow`'s catch-up.
+                log.warning("event hub lost Redis (%s); reconnecting in %.1fs", exc, backoff)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+            finally:
+                pubsub.close()
+
+    def _dispatch(self, channel: bytes, data: bytes):
+        job_id = channel.decode()[len(self._prefix):]
+        with self._lock:
+            listeners = list(self._listeners.get(job_id, ()))
+        if listeners:
+            event = decode(data)
+            for q in listeners:
+                q.put(event)
+
+
+def follow(
+    hub: EventHub,
+    job_id: str,
+    after_id: int = 0,
+    idle_s: float = 1.0,
+    on_idle: Callable[[], None] | None = None,
+) -> Iterator[dict]:
+    """Yield the job's events with id > after_id, in order, ending after the terminal event.
+
+    Every `idle_s` without an event it re-reads the log (to recover anything pub/sub missed),
+    calls `on_idle` (which may publish an error event, or raise), and yields IDLE.
+    """
+    connection = hub.connection
+    with hub.listen(job_id) as live:
+        last = after_id
+        pending = read_log(connection, job_id, last)
+        while True:
+            for event in pending:
+                if event["id"] <= last:
+                    continue
+                last = event["id"]
+                yield event
+                if event["type"] in TERMINAL:
+                    return
+            pending = _next_batch(live, connection, job_id, last, idle_s)
+            if not pending:
+                if on_idle is not None:
+                    on_idle()
+                pending = read_log(connection, job_id, last)
+                if not pending:
+                    yield IDLE
+
+
+def _next_batch(live: queue.Queue, connection, job_id: str, last: int, idle_s: float) -> list[dict]:
+    """Wait for live events; fall back to the log when an id was skipped (a gap)."""
+    try:
+        event = live.get(timeout=idle_s)
+    except queue.Empty:
+        return []
+    batch = [event]
+    while True:
+        try:
+            batch.append(live.get_nowait())
+        except queue.Empty:
+            break
+    fresh = [e for e in batch if e["id"] > last]
+    if fresh and fresh[0]["id"] != last + 1:
+        return read_log(connection, job_id, last)
+    return fresh

@@ -1,0 +1,85 @@
+"""The `mlxq` command: serve (web), worker, up (everything), models, transcribe."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+from jobs.settings import load_settings
+from mlxq.models_cli import models
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main():
+    """mlxq: MLX models behind an OpenAI-compatible API, with a Redis job queue in the middle."""
+
+
+def gunicorn_argv(host: str, port: int, workers: int) -> list[str]:
+    """The gunicorn command line that runs the web tier with gevent workers."""
+    return [sys.executable, "-m", "gunicorn", "--worker-class", "gevent", "--workers", str(workers),
+            "--worker-connections", "1000", "--bind", f"{host}:{port}", "--graceful-timeout", "30",
+            "--timeout", "60", "--access-logfile", "-", "--log-level", "info", "web.app:create_app()"]
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--workers", default=2, show_default=True, type=int, help="gunicorn worker processes")
+def serve(host, port, workers):
+    """Run the web tier (gunicorn with gevent workers)."""
+    argv = gunicorn_argv(host, port, workers)
+    os.execv(argv[0], argv)
+
+
+@main.command()
+def worker():
+    """Run the MLX worker (one process that owns the GPU and drains the queues)."""
+    from workers.main import main as worker_main
+
+    sys.exit(worker_main([]))
+
+
+@main.command("webhook-worker")
+def webhook_worker():
+    """Run the plain RQ worker that delivers webhooks (no MLX)."""
+    argv = [sys.executable, "-m", "rq.cli", "worker", "--serializer", "rq.serializers.JSONSerializer",
+            "--url", load_settings().redis_url, "webhooks"]
+    os.execv(argv[0], argv)
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--web-workers", default=2, show_default=True, type=int)
+def up(host, port, web_workers):
+    """Run everything: Redis (if none answers), web, the MLX worker and the webhook worker."""
+    from mlxq.devstack import Stack
+
+    settings = load_settings()
+    stack = Stack(log=lambda line: click.echo(f"[mlxq up] {line}", err=True))
+    redis_url = stack.ensure_redis(settings, settings.models_dir.parent / "redis")
+    env = {"REDIS_URL": redis_url, "MLXQ_REDIS_URL": redis_url}
+    stack.start("worker", [sys.executable, "-m", "workers.main"], env)
+    stack.start("webhooks", [sys.executable, "-m", "rq.cli", "worker", "--serializer",
+                             "rq.serializers.JSONSerializer", "--url", redis_url, "webhooks"], env)
+    stack.start("web", gunicorn_argv(host, port, web_workers), env)
+    base = f"http://{host}:{port}"
+    key = f' -H "Authorization: Bearer {settings.api_keys[0]}"' if settings.api_keys else ""
+    click.echo(
+        f"\nmlxq is starting (the worker loads its model first; {base}/ready says when it can serve):\n"
+        f"  API        {base}/v1\n  Dashboard  {base}/rq\n  OpenAPI    {base}/openapi.json\n"
+        f"  Redis      {redis_url}\n\nTry:\n  curl -s {base}/v1/chat/completions{key} "
+        "-H 'Content-Type: application/json' "
+        f"-d '{{\"model\": \"{settings.default_model}\", \"messages\": "
+        "[{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], \"max_tokens\": 32}'\n\n"
+        "Press Ctrl-C to stop everything.\n"
+    )
+    sys.exit(stack.wait())
+
+
+main.add_command(models)
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Best-effort system packages on Debian/Ubuntu: redis-server (for `make run` / tests when no REDIS_URL)
+# and OpenBLAS (mlx[cpu] is ~25x faster with it; the worker measures and picks it). Never fatal:
+# what cannot be installed is reported with the command that would install it.
+set -u
+[ "$(uname -s)" = "Linux" ] || exit 0
+missing=()
+command -v redis-server >/dev/null 2>&1 || [ -n "${REDIS_URL:-}" ] || missing+=(redis-server)
+ls /usr/lib/*/openblas-pthread/libblas.so.3 >/dev/null 2>&1 || missing+=(libopenblas0-pthread)
+[ ${#missing[@]} -eq 0 ] && exit 0
+if ! command -v apt-get >/dev/null 2>&1; then
+  echo "system-deps: please install ${missing[*]} with your package manager" >&2; exit 0
+fi
+sudo=""
+if [ "$(id -u)" != 0 ]; then
+  if sudo -n true 2>/dev/null; then sudo="sudo -n"; else
+    echo "system-deps: missing ${missing[*]}; install with: sudo apt-get install -y ${missing[*]}" >&2; exit 0
+  fi
+fi
+echo "system-deps: installing ${missing[*]} with apt-get" >&2
+$sudo apt-get update -qq >/dev/null 2>&1
+DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null 2>&1 \
+  || echo "system-deps: apt-get could not install ${missing[*]}; continuing without" >&2
+exit 0

@@ -1,0 +1,132 @@
+"""The whole service for integration tests: real Redis, the real worker, gunicorn with gevent."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mlxq.cli import gunicorn_argv
+from tests.conftest import REPO, free_port, wait_until
+
+LOGS = REPO / ".pytest_cache" / "service-logs"
+
+
+def service_env(redis_url: str, models_dir: Path, **extra) -> dict:
+    """Environment for the service's processes under test."""
+    env = {**os.environ, "REDIS_URL": redis_url, "MLXQ_REDIS_URL": redis_url, "MLXQ_MODELS_DIR": str(models_dir),
+           "PYTHONUNBUFFERED": "1"}
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+class Proc:
+    """A service process with its output in a log file (shown when a test fails)."""
+
+    def __init__(self, name: str, argv: list[str], env: dict):
+        self.name, self.argv, self.env = name, argv, env
+        self.process: subprocess.Popen | None = None
+        LOGS.mkdir(parents=True, exist_ok=True)
+        self.log_path = LOGS / f"{name}.log"
+
+    def start(self) -> "Proc":
+        """Start the process (appending to its log)."""
+        log = open(self.log_path, "ab")
+        self.process = subprocess.Popen(self.argv, env=self.env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        return self
+
+    def alive(self) -> bool:
+        """Whether the process is running."""
+        return self.process is not None and self.process.poll() is None
+
+    def kill9(self) -> None:
+        """SIGKILL the process (and its group) and reap it."""
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(10)
+
+    def stop(self, timeout: float = 30) -> int:
+        """SIGTERM, wait, SIGKILL if needed; return the exit code."""
+        if not self.alive():
+            return self.process.returncode if self.process else 0
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill9()
+            return -9
+
+    def tail(self, n: int = 60) -> str:
+        """The last lines of the process's log."""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+
+class Service:
+    """Worker + web on one Redis; `base_url` is the API's address."""
+
+    def __init__(self, redis_url: str, models_dir: Path, **extra_env):
+        self.redis_url = redis_url
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        env = service_env(redis_url, models_dir, **extra_env)
+        self.worker = Proc("worker", [sys.executable, "-m", "workers.main"], env)
+        self.web = Proc("web", gunicorn_argv("127.0.0.1", self.port, 1), env)
+
+    def start(self) -> "Service":
+        """Start both processes and wait until /ready says a worker is alive."""
+        self.worker.start()
+        self.web.start()
+        self.wait_ready()
+        return self
+
+    def wait_ready(self, timeout: float = 180) -> None:
+        """Wait until the API answers /ready with 200 (worker alive, model warm)."""
+        def ready():
+            if not self.worker.alive() or not self.web.alive():
+                raise AssertionError(f"service died:\n{self.worker.tail()}\n{self.web.tail()}")
+            try:
+                return httpx.get(self.base_url + "/ready", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+        wait_until(ready, timeout, interval=0.2, what="the service to become ready")
+
+    def restart_worker(self) -> None:
+        """Start a fresh worker after a test stopped or killed it."""
+        self.worker.stop()
+        self.worker.start()
+        self.wait_ready()
+
+    def stop(self) -> None:
+        """Stop web and worker."""
+        self.web.stop()
+        self.worker.stop()
+
+
+@pytest.fixture(scope="session")
+def service(redis_url, models_dir):
+    """The running service, shared by the integration tests (tests that kill the worker restart it)."""
+    if not (models_dir / "smollm2-135m").exists():
+        pytest.fail(f"demo model missing in {models_dir}: run `make test` or `mlxq models pull-demo` first")
+    svc = Service(redis_url, models_dir).start()
+    yield svc
+    svc.stop()
+
+
+@pytest.fixture()
+def api(service):
+    """An httpx client on the running API."""
+    with httpx.Client(base_url=service.base_url, timeout=120) as client:
+        yield client
+
+
+@pytest.fixture()
+def openai_client(service):
+    """The official openai client pointed at the running service."""
+    import openai
+
+    return openai.OpenAI(base_url=service.base_url + "/v1", api_key="unused", timeout=120, max_retries=0)

@@ -1,0 +1,110 @@
+"""Faults: a client leaving mid-stream, the worker killed mid-job, and the web tier's MLX-free imports."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import redis
+
+from jobs import keys
+from jobs.events import read_log
+from tests.conftest import REPO, wait_until
+
+MODEL = "smollm2-135m"
+LONG = [{"role": "user", "content": "Write a very long story about a dragon who learns to bake bread."}]
+
+
+def _open_stream(service, max_tokens: int):
+    """Start a streamed chat that would run long; return (client, response context, response)."""
+    client = httpx.Client(base_url=service.base_url, timeout=60)
+    ctx = client.stream("POST", "/v1/chat/completions", json={
+        "model": MODEL, "messages": LONG, "max_tokens": max_tokens, "temperature": 0.7, "seed": 1, "stream": True})
+    return client, ctx, ctx.__enter__()
+
+
+def _first_chunks(response, n: int) -> tuple[str, list[dict]]:
+    """Read SSE lines until `n` data chunks arrived; return the job id and the chunks."""
+    chunks = []
+    lines = response.iter_lines()
+    while len(chunks) < n:
+        line = next(lines)
+        if line.startswith("data: ") and line != "data: [DONE]":
+            chunks.append(json.loads(line[6:]))
+    return chunks[0]["id"], chunks
+
+
+def test_client_disconnect_cancels_the_job(service):
+    conn = redis.Redis.from_url(service.redis_url)
+    client, ctx, response = _open_stream(service, max_tokens=400)
+    job_id, _ = _first_chunks(response, 4)
+    ctx.__exit__(None, None, None)
+    client.close()  # the client goes away mid-stream
+    terminal = wait_until(lambda: [e for e in read_log(conn, job_id) if e["type"] in ("done", "error")], 30,
+                          what="the canceled job's terminal event")
+    assert terminal[0]["type"] == "error" and terminal[0]["data"]["code"] == "canceled"
+    generated = "".join(e["data"]["text"] for e in read_log(conn, job_id) if e["type"] == "delta")
+    assert len(generated.split()) < 150, "the worker kept generating long after the client left"
+    # The worker is free again: a new call is answered.
+    answer = httpx.post(service.base_url + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    assert answer.status_code == 200
+
+
+def test_worker_killed_mid_stream_gives_an_error_event_within_15s(service):
+    client, ctx, response = _open_stream(service, max_tokens=2000)
+    try:
+        job_id, _ = _first_chunks(response, 2)
+        service.worker.kill9()
+        killed_at = time.monotonic()
+        error = None
+        for line in response.iter_lines():
+            if line.startswith("data: {") and '"error"' in line:
+                error = json.loads(line[6:])
+                break
+        waited = time.monotonic() - killed_at
+    finally:
+        ctx.__exit__(None, None, None)
+        client.close()
+        service.restart_worker()
+    assert error is not None and error["error"]["code"] == "worker_died"
+    assert waited < 15, f"the error took {waited:.1f}s"
+
+
+def test_worker_killed_during_sync_call_answers_an_error_within_15s(service):
+    conn = redis.Redis.from_url(service.redis_url)
+    started = {}
+
+    before = set(conn.scan_iter(match=keys.event_log("chatcmpl-*")))
+
+    def kill_when_running():
+        # The job's first event (its log appearing) says the worker is generating.
+        wait_until(lambda: set(conn.scan_iter(match=keys.event_log("chatcmpl-*"))) - before, 60,
+                   what="the job to start")
+        service.worker.kill9()
+        started["at"] = time.monotonic()
+
+    killer = threading.Thread(target=kill_when_running)
+    killer.start()
+    try:
+        response = httpx.post(service.base_url + "/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": LONG, "max_tokens": 2000, "temperature": 0.7})
+        answered_at = time.monotonic()
+    finally:
+        killer.join(70)
+        service.restart_worker()
+    assert response.status_code == 500
+    assert response.json()["error"]["code"] == "worker_died"
+    assert answered_at - started["at"] < 15
+
+
+def test_web_and_jobs_import_no_mlx():
+    code = ("import sys, web.app, jobs.events, jobs.store, jobs.subscriber, jobs.status, mlxq.cli; "
+            "web.app.create_app(); bad = [m for m in sys.modules if m.split('.')[0] in "
+            "('mlx', 'mlx_lm', 'mlx_vlm', 'mlx_audio')]; print(bad); assert not bad, bad")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -1,0 +1,112 @@
+"""One error envelope for every failure: `{"error": {message, type, param, code}, "request_id"}`."""
+
+from __future__ import annotations
+
+import logging
+
+import redis
+from flask import Flask, g, jsonify, request
+from werkzeug.exceptions import HTTPException
+
+from jobs.queues import QueueFull
+
+log = logging.getLogger(__name__)
+
+# OpenAI's error `type` for each status we answer with.
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    429: "rate_limit_error",
+    499: "canceled_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+    507: "insufficient_storage_error",
+}
+
+
+class APIError(Exception):
+    """An error answered with the envelope: raise it from any view."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
+                 headers: dict | None = None, **extra):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+        self.headers = headers or {}
+        self.extra = extra
+
+
+def envelope(status: int, message: str, code=None, param=None, **extra) -> dict:
+    """Build the error body for `status` (also used for SSE error events)."""
+    error = {"message": message, "type": _TYPES.get(status, "server_error"), "param": param, "code": code}
+    error.update(extra)
+    return {"error": error, "request_id": getattr(g, "request_id", None)}
+
+
+def error_response(status: int, message: str, code=None, param=None, headers=None, **extra):
+    """Return a JSON error response with the envelope and the given headers."""
+    response = jsonify(envelope(status, message, code, param, **extra))
+    response.status_code = status
+    for name, value in (headers or {}).items():
+        response.headers[name] = value
+    return response
+
+
+def _first_field_error(messages, prefix: str = "") -> tuple[str, str]:
+    """Flatten marshmallow's nested messages to (dotted field name, first message)."""
+    if isinstance(messages, dict):
+        for key, value in messages.items():
+            if key in ("json", "form", "files", "query", "_schema") and not prefix:
+                return _first_field_error(value, "")
+            name = f"{prefix}.{key}" if prefix else str(key)
+            return _first_field_error(value, name)
+    if isinstance(messages, list) and messages:
+        first = messages[0]
+        if isinstance(first, (dict, list)):
+            return _first_field_error(first, prefix)
+        return prefix, str(first)
+    return prefix, str(messages)
+
+
+def register_error_handlers(app: Flask) -> None:
+    """Turn every exception into the envelope; never leak a traceback."""
+
+    @app.errorhandler(APIError)
+    def _api_error(exc: APIError):
+        return error_response(exc.status, exc.message, exc.code, exc.param, exc.headers, **exc.extra)
+
+    @app.errorhandler(QueueFull)
+    def _queue_full(exc: QueueFull):
+        return error_response(503, f"The server is busy: {exc}. Retry later.", "queue_full",
+                              headers={"Retry-After": "5"})
+
+    @app.errorhandler(redis.RedisError)
+    def _redis_down(exc: redis.RedisError):
+        log.warning("redis unavailable: %s", exc)
+        return error_response(503, "The queue (Redis) is unreachable. Retry later.", "queue_unavailable",
+                              headers={"Retry-After": "5"})
+
+    @app.errorhandler(HTTPException)
+    def _http_error(exc: HTTPException):
+        if exc.code == 422:  # webargs/flask-smorest validation: answer 400 naming the field
+            messages = getattr(exc, "data", {}).get("messages", {})
+            field, message = _first_field_error(messages)
+            text = f"Invalid value for '{field}': {message}" if field else message
+            return error_response(400, text, "invalid_value", field or None)
+        if exc.code == 413:
+            limit = request.max_content_length
+            return error_response(413, f"Request body too large (limit {limit} bytes).", "request_too_large")
+        if exc.code == 400 and request.mimetype == "application/json":
+            return error_response(400, "Malformed request body: expected a JSON object.", "invalid_json")
+        return error_response(exc.code or 500, exc.description or exc.name, exc.name.lower().replace(" ", "_"))
+
+    @app.errorhandler(Exception)
+    def _unexpected(exc: Exception):
+        log.exception("unhandled error")
+        return error_response(500, "Internal server error.", "internal_error")

@@ -1,0 +1,101 @@
+"""Running a synchronous call as a job: enqueue it, then wait for its result or stream its events."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable, Iterator
+
+from flask import Response, g
+
+from jobs import queues
+from jobs.events import DONE, ERROR
+from jobs.status import fail_if_orphaned, request_cancel
+from jobs.subscriber import IDLE, follow
+from web.errors import APIError
+from web.services import Services, services
+from web.sse import SSE_HEADERS, sse_comment, sse_data
+
+log = logging.getLogger(__name__)
+
+KEEPALIVE_S = 5.0
+"""Seconds between SSE comments while nothing happens (also how a gone client is noticed)."""
+
+
+def submit(func: str, payload: dict, kind: str, description: str, queue: str = queues.INTERACTIVE) -> str:
+    """Enqueue `func(payload)` with a fresh explicit id and return that id."""
+    svc = services()
+    job_id = queues.new_job_id(kind)
+    payload = {**payload, "request_id": g.request_id}
+    queues.enqueue(svc.redis, svc.settings, queue, func, payload, job_id, description=description,
+                   timeout_s=int(svc.settings.sync_timeout_s) + 60)
+    return job_id
+
+
+def _events(svc: Services, job_id: str, deadline: float) -> Iterator[dict]:
+    """Follow the job's events, failing it when its worker died; IDLE past the deadline raises 504."""
+
+    def on_idle():
+        fail_if_orphaned(svc.redis, svc.publisher, job_id)
+
+    for event in follow(svc.hub, job_id, on_idle=on_idle):
+        if event is IDLE and time.monotonic() > deadline:
+            raise APIError(504, f"The job {job_id} did not finish within {svc.settings.sync_timeout_s:g}s; "
+                           "it keeps running in the background.", "timeout", job_id=job_id)
+        yield event
+
+
+def error_from_event(data: dict) -> APIError:
+    """Turn a worker's error event into the APIError the client sees."""
+    status = int(data.get("status") or 500)
+    return APIError(status, data.get("message", "The job failed."), data.get("code"), data.get("param"))
+
+
+def wait_for_result(job_id: str) -> dict:
+    """Block until the job's terminal event; return the `done` data or raise its error."""
+    svc = services()
+    deadline = time.monotonic() + svc.settings.sync_timeout_s
+    for event in _events(svc, job_id, deadline):
+        if event["type"] == DONE:
+            return event["data"]
+        if event["type"] == ERROR:
+            raise error_from_event(event["data"])
+    raise APIError(500, "The event stream ended without a result.", "internal_error")
+
+
+def stream_response(job_id: str, render: Callable[[dict], Iterator[str]], on_error: Callable[[dict], str],
+                    trailer: str | None = "[DONE]") -> Response:
+    """An SSE response: `render` frames each worker event; a disconnect cancels the job."""
+    svc = services()
+    deadline = time.monotonic() + svc.settings.sync_timeout_s
+
+    def generate():
+        finished = False
+        last_write = time.monotonic()
+        try:
+            for event in _events(svc, job_id, deadline):
+                if event is IDLE:
+                    if time.monotonic() - last_write >= KEEPALIVE_S:
+                        last_write = time.monotonic()
+                        yield sse_comment()
+                    continue
+                if event["type"] == ERROR:
+                    finished = True
+                    yield on_error(event["data"])
+                    break
+                for chunk in render(event):
+                    last_write = time.monotonic()
+                    yield chunk
+                if event["type"] == DONE:
+                    finished = True
+        except APIError as exc:
+            finished = True
+            yield on_error({"status": exc.status, "message": exc.message, "code": exc.code, **exc.extra})
+        finally:
+            if not finished:  # the client went away: stop spending the GPU on it
+                log.info("client left the stream of %s; canceling it", job_id)
+                request_cancel(svc.redis, job_id, svc.settings.result_ttl_s)
+        if trailer:
+            yield sse_data(trailer)
+
+    return Response(generate(), mimetype="text/event-stream", headers=SSE_HEADERS)

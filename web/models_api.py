@@ -1,0 +1,36 @@
+"""GET /v1/models and /v1/models/{id}: what the model store and the local HF cache hold."""
+
+from __future__ import annotations
+
+from flask_smorest import Blueprint
+
+from jobs.store import ModelNotFound, list_models, resolve
+from web.errors import APIError
+from web.schemas import ModelListSchema, ModelSchema
+from web.services import services
+
+blp = Blueprint("models", __name__, url_prefix="/v1/models", description="Models the worker can serve")
+
+
+def _as_openai(info) -> dict:
+    """Render a catalog entry in OpenAI's model shape plus mlxq's facts."""
+    return {"id": info.id, "object": "model", "created": info.created, "owned_by": "mlxq", "kind": info.kind,
+            "context_length": info.context_length, "size_bytes": info.size_bytes,
+            "quantization": info.quantization, "source": info.source}
+
+
+@blp.route("", methods=["GET"])
+@blp.response(200, ModelListSchema)
+def list_all():
+    """List every model the worker can load."""
+    return {"object": "list", "data": [_as_openai(m) for m in list_models(services().settings)]}
+
+
+@blp.route("/<path:model_id>", methods=["GET"])
+@blp.response(200, ModelSchema)
+def get_one(model_id: str):
+    """Describe one model, by any reference the resolver accepts."""
+    try:
+        return _as_openai(resolve(model_id, services().settings))
+    except ModelNotFound as exc:
+        raise APIError(404, str(exc), "model_not_found", "model") from None

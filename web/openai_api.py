@@ -1,0 +1,160 @@
+"""OpenAI-compatible text endpoints: /v1/chat/completions and /v1/completions."""
+
+from __future__ import annotations
+
+import time
+
+from flask import g, jsonify
+from flask_smorest import Blueprint
+
+from jobs import queues
+from jobs.events import DELTA, DONE
+from jobs.store import ModelNotFound, resolve
+from web.errors import APIError
+from web.jobrun import stream_response, submit, wait_for_result
+from web.schemas import ChatCompletionRequestSchema, CompletionRequestSchema
+from web.services import services
+from web.sse import sse_data
+
+blp = Blueprint("openai", __name__, url_prefix="/v1", description="OpenAI-compatible text generation")
+
+DEFAULT_MAX_TOKENS = 512
+"""max_tokens when the client sends none (bounded so a forgotten limit can't hold the GPU)."""
+
+
+def resolve_model(ref: str | None, kind: str):
+    """Resolve a model reference to a catalog entry of `kind`, or raise 404 / 400."""
+    try:
+        info = resolve(ref, services().settings)
+    except ModelNotFound as exc:
+        raise APIError(404, str(exc), "model_not_found", "model") from None
+    if info.kind != kind:
+        raise APIError(400, f"Model '{info.id}' is a {info.kind} model; this endpoint needs a {kind} model.",
+                       "invalid_model", "model")
+    return info
+
+
+def sampling_payload(body: dict, model_id: str) -> dict:
+    """The worker payload fields shared by chat and completions (limits already validated)."""
+    limit = services().settings.max_tokens_limit
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or min(DEFAULT_MAX_TOKENS, limit)
+    if max_tokens > limit:
+        param = "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
+        raise APIError(400, f"'{param}' must be at most {limit}.", "invalid_value", param)
+    return {
+        "model": model_id,
+        "max_tokens": max_tokens,
+        "temperature": 1.0 if body["temperature"] is None else body["temperature"],
+        "top_p": 1.0 if body["top_p"] is None else body["top_p"],
+        "top_k": body["top_k"] or 0,
+        "min_p": body["min_p"] or 0.0,
+        "seed": body["seed"],
+        "stop": body["stop"] or [],
+        "repetition_penalty": body["repetition_penalty"],
+    }
+
+
+def _stream_error(request_id: str):
+    """Frame a worker error as an OpenAI-style error chunk (the openai client raises on it)."""
+
+    def frame(data: dict) -> str:
+        error = {"message": data.get("message", "error"), "type": "server_error",
+                 "param": data.get("param"), "code": data.get("code")}
+        extra = {k: v for k, v in data.items() if k not in ("message", "param", "code", "status")}
+        return sse_data({"error": {**error, **extra}, "request_id": request_id})
+
+    return frame
+
+
+def _usage_wanted(body: dict) -> bool:
+    return bool((body.get("stream_options") or {}).get("include_usage"))
+
+
+@blp.route("/chat/completions", methods=["POST"])
+@blp.arguments(ChatCompletionRequestSchema)
+def chat_completions(body):
+    """Create a chat completion (plain JSON, or SSE chunks when `stream` is true)."""
+    info = resolve_model(body["model"], "text")
+    messages = [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]}
+                for m in body["messages"]]
+    payload = {**sampling_payload(body, info.id), "messages": messages}
+    job_id = submit(queues.CHAT_COMPLETION, payload, "chatcmpl", f"chat {info.id}")
+    created = int(time.time())
+    if body["stream"]:
+        return stream_response(job_id, _chat_chunks(job_id, info.id, created, _usage_wanted(body)),
+                               _stream_error(g.request_id))
+    done = wait_for_result(job_id)
+    choices = [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
+                "logprobs": None, "finish_reason": c["finish_reason"]} for c in done["choices"]]
+    return jsonify({"id": job_id, "object": "chat.completion", "created": created, "model": info.id,
+                    "system_fingerprint": None, "choices": choices, "usage": done["usage"]})
+
+
+def _chat_chunks(job_id: str, model: str, created: int, include_usage: bool):
+    """Render worker events as `chat.completion.chunk` SSE messages."""
+    base = {"id": job_id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "system_fingerprint": None}
+    extra = {"usage": None} if include_usage else {}
+    started = set()
+
+    def chunk(index: int, delta: dict, finish_reason=None) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return sse_data({**base, "choices": [choice], **extra})
+
+    def render(event: dict):
+        data = event["data"]
+        if event["type"] == DELTA:
+            index = data.get("index", 0)
+            if index not in started:
+                started.add(index)
+                yield chunk(index, {"role": "assistant", "content": ""})
+            yield chunk(index, {"content": data["text"]})
+        elif event["type"] == DONE:
+            for choice in data["choices"]:
+                if choice["index"] not in started:
+                    yield chunk(choice["index"], {"role": "assistant", "content": ""})
+                yield chunk(choice["index"], {}, choice["finish_reason"])
+            if include_usage:
+                yield sse_data({**base, "choices": [], "usage": data["usage"]})
+
+    return render
+
+
+@blp.route("/completions", methods=["POST"])
+@blp.arguments(CompletionRequestSchema)
+def completions(body):
+    """Create a text completion for one prompt or a list of prompts (one choice each)."""
+    info = resolve_model(body["model"], "text")
+    payload = {**sampling_payload(body, info.id), "prompts": body["prompt"]}
+    job_id = submit(queues.TEXT_COMPLETION, payload, "cmpl", f"completion {info.id}")
+    created = int(time.time())
+    if body["stream"]:
+        return stream_response(job_id, _completion_chunks(job_id, info.id, created, _usage_wanted(body)),
+                               _stream_error(g.request_id))
+    done = wait_for_result(job_id)
+    choices = [{"index": c["index"], "text": c["text"], "logprobs": None, "finish_reason": c["finish_reason"]}
+               for c in done["choices"]]
+    return jsonify({"id": job_id, "object": "text_completion", "created": created, "model": info.id,
+                    "system_fingerprint": None, "choices": choices, "usage": done["usage"]})
+
+
+def _completion_chunks(job_id: str, model: str, created: int, include_usage: bool):
+    """Render worker events as `text_completion` SSE messages."""
+    base = {"id": job_id, "object": "text_completion", "created": created, "model": model}
+    extra = {"usage": None} if include_usage else {}
+
+    def chunk(index: int, text: str, finish_reason=None) -> str:
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return sse_data({**base, "choices": [choice], **extra})
+
+    def render(event: dict):
+        data = event["data"]
+        if event["type"] == DELTA:
+            yield chunk(data.get("index", 0), data["text"])
+        elif event["type"] == DONE:
+            for choice in data["choices"]:
+                yield chunk(choice["index"], "", choice["finish_reason"])
+            if include_usage:
+                yield sse_data({**base, "choices": [], "usage": data["usage"]})
+
+    return render

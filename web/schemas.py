@@ -1,0 +1,162 @@
+"""Request and response schemas of the OpenAI-compatible endpoints (marshmallow, via flask-smorest)."""
+
+from __future__ import annotations
+
+from marshmallow import EXCLUDE, Schema, ValidationError, fields, validate, validates_schema
+
+MAX_STOP = 4
+
+
+class StringOrList(fields.Field):
+    """A string, or a list of strings (OpenAI's `stop` and `prompt`); always loads as a list."""
+
+    def __init__(self, max_items: int | None = None, allow_empty_list: bool = True, **kwargs):
+        super().__init__(**kwargs)
+        self.max_items, self.allow_empty_list = max_items, allow_empty_list
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
+            raise ValidationError("must be a string or a list of strings")
+        if self.max_items is not None and len(items) > self.max_items:
+            raise ValidationError(f"at most {self.max_items} items")
+        if not items and not self.allow_empty_list:
+            raise ValidationError("must not be empty")
+        return items
+
+
+class MessageContent(fields.Field):
+    """Message content: a string, or an array of `{"type": "text", "text": ...}` parts (joined)."""
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        if isinstance(value, str):
+            return value
+        if not isinstance(value, list):
+            raise ValidationError("must be a string or an array of content parts")
+        texts = []
+        for part in value:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValidationError(f"content part of type {kind!r} is not supported; only 'text' parts are")
+            texts.append(part["text"])
+        return "".join(texts)
+
+
+class StreamOptionsSchema(Schema):
+    """`stream_options`: only include_usage is meaningful."""
+
+    class Meta:
+        unknown = EXCLUDE
+
+    include_usage = fields.Boolean(load_default=False)
+
+
+class SamplingSchema(Schema):
+    """Fields shared by chat and text completions."""
+
+    class Meta:
+        unknown = EXCLUDE  # harmless unknown fields are ignored, as OpenAI-style clients expect
+
+    model = fields.String(load_default=None, validate=validate.Length(min=1, max=512))
+    max_tokens = fields.Integer(load_default=None, validate=validate.Range(min=1), allow_none=True)
+    temperature = fields.Float(load_default=1.0, validate=validate.Range(min=0, max=2), allow_none=True)
+    top_p = fields.Float(load_default=1.0, validate=validate.Range(min=0, max=1, min_inclusive=False),
+                         allow_none=True)
+    top_k = fields.Integer(load_default=0, validate=validate.Range(min=0), allow_none=True)
+    min_p = fields.Float(load_default=0.0, validate=validate.Range(min=0, max=1), allow_none=True)
+    seed = fields.Integer(load_default=None, allow_none=True)
+    stop = StringOrList(max_items=MAX_STOP, load_default=list, allow_none=True)
+    repetition_penalty = fields.Float(load_default=None, validate=validate.Range(min=0, min_inclusive=False),
+                                      allow_none=True)
+    stream = fields.Boolean(load_default=False, allow_none=True)
+    stream_options = fields.Nested(StreamOptionsSchema, load_default=None, allow_none=True)
+    user = fields.String(load_default=None, allow_none=True)
+    # Fields we cannot honour: accepted only at their neutral values, so meaning never changes silently.
+    n = fields.Integer(load_default=1, allow_none=True)
+    logprobs = fields.Raw(load_default=None, allow_none=True)
+    top_logprobs = fields.Integer(load_default=None, allow_none=True)
+    presence_penalty = fields.Float(load_default=0.0, allow_none=True)
+    frequency_penalty = fields.Float(load_default=0.0, allow_none=True)
+    logit_bias = fields.Dict(load_default=None, allow_none=True)
+
+    @validates_schema
+    def _refuse_meaning_changes(self, data, **kwargs):
+        """Reject fields whose non-neutral values we cannot honour (a clear 400, naming the field)."""
+        neutral = {"n": (None, 1), "logprobs": (None, False, 0), "top_logprobs": (None, 0),
+                   "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0), "logit_bias": (None, {})}
+        for name, allowed in neutral.items():
+            if data.get(name) not in allowed:
+                hint = " (use repetition_penalty)" if name.endswith("_penalty") else ""
+                raise ValidationError(f"is not supported by this server{hint}", field_name=name)
+
+
+class ChatMessageSchema(Schema):
+    """One chat message; system, developer, user and assistant roles."""
+
+    class Meta:
+        unknown = EXCLUDE
+
+    role = fields.String(required=True, validate=validate.OneOf(["system", "developer", "user", "assistant"]))
+    content = MessageContent(required=True)
+    name = fields.String(load_default=None, allow_none=True)
+
+
+class ChatCompletionRequestSchema(SamplingSchema):
+    """POST /v1/chat/completions body."""
+
+    messages = fields.List(fields.Nested(ChatMessageSchema), required=True, validate=validate.Length(min=1))
+    max_completion_tokens = fields.Integer(load_default=None, validate=validate.Range(min=1), allow_none=True)
+    tools = fields.List(fields.Dict(), load_default=None, allow_none=True)
+    tool_choice = fields.Raw(load_default=None, allow_none=True)
+    response_format = fields.Dict(load_default=None, allow_none=True)
+
+    @validates_schema
+    def _refuse_chat_extras(self, data, **kwargs):
+        """Tools and structured output would change the answer's meaning: refuse them clearly."""
+        if data.get("tools"):
+            raise ValidationError("tool calling is not supported by this server", field_name="tools")
+        if data.get("tool_choice") not in (None, "none"):
+            raise ValidationError("tool calling is not supported by this server", field_name="tool_choice")
+        fmt = data.get("response_format") or {}
+        if fmt.get("type") not in (None, "text"):
+            raise ValidationError("only {'type': 'text'} is supported", field_name="response_format")
+
+
+class CompletionRequestSchema(SamplingSchema):
+    """POST /v1/completions body."""
+
+    prompt = StringOrList(required=True, max_items=32, allow_empty_list=False)
+    echo = fields.Boolean(load_default=False, allow_none=True)
+    suffix = fields.String(load_default=None, allow_none=True)
+    best_of = fields.Integer(load_default=None, allow_none=True)
+
+    @validates_schema
+    def _refuse_completion_extras(self, data, **kwargs):
+        """echo, suffix and best_of > 1 change the answer: refuse them clearly."""
+        if data.get("echo"):
+            raise ValidationError("is not supported by this server", field_name="echo")
+        if data.get("suffix"):
+            raise ValidationError("is not supported by this server", field_name="suffix")
+        if data.get("best_of") not in (None, 1):
+            raise ValidationError("is not supported by this server", field_name="best_of")
+
+
+class ModelSchema(Schema):
+    """One entry of GET /v1/models (OpenAI's shape plus mlxq's extra facts)."""
+
+    id = fields.String()
+    object = fields.String(dump_default="model")
+    created = fields.Integer()
+    owned_by = fields.String()
+    kind = fields.String()
+    context_length = fields.Integer(allow_none=True)
+    size_bytes = fields.Integer()
+    quantization = fields.String(allow_none=True)
+    source = fields.String()
+
+
+class ModelListSchema(Schema):
+    """GET /v1/models."""
+
+    object = fields.String(dump_default="list")
+    data = fields.List(fields.Nested(ModelSchema))

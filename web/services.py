@@ -1,0 +1,48 @@
+"""The per-app clients (Redis, event publisher, event hub), kept in app.extensions["mlxq"]."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from flask import current_app
+
+from jobs.connection import get_redis
+from jobs.events import EventPublisher
+from jobs.settings import Settings
+from jobs.subscriber import EventHub
+
+
+@dataclass
+class Services:
+    """What views need, built once per app (the hub lazily, after gunicorn forks)."""
+
+    settings: Settings
+    started_at: float = field(default_factory=time.time)
+    _hub: EventHub | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def redis(self):
+        """This process's Redis client."""
+        return get_redis(self.settings.redis_url)
+
+    @cached_property
+    def publisher(self) -> EventPublisher:
+        """Publishes events (used to fail a job whose worker died)."""
+        return EventPublisher(self.redis, self.settings.result_ttl_s, self.settings.event_log_max)
+
+    @property
+    def hub(self) -> EventHub:
+        """The process's single pub/sub fan-out."""
+        with self._lock:
+            if self._hub is None:
+                self._hub = EventHub(self.redis)
+            return self._hub
+
+
+def services() -> Services:
+    """The current app's Services."""
+    return current_app.extensions["mlxq"]
