@@ -52,7 +52,6 @@ class ModelNotFound(LookupError):
         super().__init__(f"model {ref!r} not found; looked for: " + "; ".join(looked))
 
 
-
 _json_memo: dict[Path, tuple[tuple[int, int], dict]] = {}
 _scan_memo: dict[Path, tuple[tuple, dict[str, tuple[Path, int, float]]]] = {}
 
@@ -95,8 +94,6 @@ def _dir_size(path: Path) -> int:
         except OSError:
             continue
     return total
-
-
 
 
 def detect_kind(config: dict) -> str:
@@ -148,8 +145,6 @@ def _info_from_config_dir(ref: str, path: Path, source: str, size: int | None = 
         size_bytes=_dir_size(path) if size is None else size, source=source,
         quantization=_quantization_of(config), license=config.get("license"), created=int(created),
     )
-
-
 
 
 def _parse_time(value, fallback: float) -> int:
@@ -208,8 +203,6 @@ def read_aliases(settings) -> dict[str, str]:
     """Return the {alias: target ref} map from `<models_dir>/aliases.json` (empty if absent)."""
     data = _read_json(Path(settings.models_dir) / ALIASES_FILE) or {}
     return {str(k): str(v) for k, v in data.items() if isinstance(v, str)}
-
-
 
 
 def hf_hub_cache_dir() -> Path:
@@ -278,19 +271,18 @@ def _hf_entry(repo_id: str, cached: tuple[Path, int, float]) -> ModelInfo | None
     return _info_from_config_dir(repo_id, path, f"hf:{repo_id}", size=size, created=modified)
 
 
-
-
 def _is_path_ref(ref: str) -> bool:
     """Only explicit path forms count as paths, so an "owner/name" never shadows an HF repo id."""
     return ref.startswith(("/", "./", "../", "~")) or ref in (".", "..")
 
 
-def _resolve(ref: str, settings, seen: tuple[str, ...]) -> ModelInfo:
+def _resolve(ref: str, settings, seen: tuple[str, ...], allow_paths: bool = True) -> ModelInfo:
     """Resolve `ref` in order: alias, store name, directory path, HF cache; raise ModelNotFound."""
     models_dir = Path(settings.models_dir)
     aliases = read_aliases(settings)
     if ref in aliases and ref not in seen and len(seen) < _MAX_ALIAS_DEPTH:
         try:
+            # Aliases are the operator's own config, so their targets may be paths.
             return replace(_resolve(aliases[ref], settings, seen + (ref,)), id=ref)
         except ModelNotFound as exc:
             raise ModelNotFound(ref, [f"alias {ref!r} -> {aliases[ref]!r} in {models_dir / ALIASES_FILE}",
@@ -301,13 +293,13 @@ def _resolve(ref: str, settings, seen: tuple[str, ...]) -> ModelInfo:
     info = store_entry(settings, ref)
     if info:
         return info
-    if _is_path_ref(ref):
+    if _is_path_ref(ref) and allow_paths:
         path = Path(ref).expanduser().resolve()
         looked.append(f"a model directory {path}/config.json")
         info = _info_from_config_dir(ref, path, f"dir:{path}") if path.is_dir() else None
         if info:
             return info
-    else:
+    elif allow_paths:
         looked.append("a directory path (absolute, ./ or ../ or ~ only)")
     cache_dir = hf_hub_cache_dir()
     if HF_REPO_RE.match(ref):
@@ -321,12 +313,15 @@ def _resolve(ref: str, settings, seen: tuple[str, ...]) -> ModelInfo:
     raise ModelNotFound(ref, looked)
 
 
-def resolve(ref: str | None, settings) -> ModelInfo:
-    """Resolve a model reference (None: settings.default_model) to a ModelInfo or raise ModelNotFound."""
+def resolve(ref: str | None, settings, allow_paths: bool = True) -> ModelInfo:
+    """Resolve a model reference (None: settings.default_model) to a ModelInfo or raise ModelNotFound.
+
+    API clients get allow_paths=False: they may name models, never arbitrary server directories.
+    """
     ref = settings.default_model if ref is None else ref.strip()
     if not ref:
         raise ModelNotFound("", ["a non-empty model reference"])
-    return _resolve(ref, settings, ())
+    return _resolve(ref, settings, (), allow_paths)
 
 
 def list_models(settings) -> list[ModelInfo]:

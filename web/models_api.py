@@ -31,6 +31,6 @@ def list_all():
 def get_one(model_id: str):
     """Describe one model, by any reference the resolver accepts."""
     try:
-        return _as_openai(resolve(model_id, services().settings))
+        return _as_openai(resolve(model_id, services().settings, allow_paths=False))
     except ModelNotFound as exc:
         raise APIError(404, str(exc), "model_not_found", "model") from None

@@ -25,7 +25,7 @@ DEFAULT_MAX_TOKENS = 512
 def resolve_model(ref: str | None, kind: str):
     """Resolve a model reference to a catalog entry of `kind`, or raise 404 / 400."""
     try:
-        info = resolve(ref, services().settings)
+        info = resolve(ref, services().settings, allow_paths=False)
     except ModelNotFound as exc:
         raise APIError(404, str(exc), "model_not_found", "model") from None
     if info.kind != kind:

@@ -128,3 +128,9 @@ def test_sync_call_past_its_limit_is_504_with_job_id(redis_url):
     body = assert_envelope(response, 504, code="timeout")
     assert body["error"]["job_id"].startswith("chatcmpl-")
     assert body["error"]["job_id"] in body["error"]["message"]
+
+
+def test_clients_cannot_name_server_directories(api, models_dir):
+    body = assert_envelope(api.post("/v1/chat/completions", json={
+        "model": str(models_dir / "smollm2-135m"), "messages": QUESTION}), 404, code="model_not_found")
+    assert "directory" not in body["error"]["message"].split("looked for:")[-1]

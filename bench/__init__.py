@@ -1,0 +1,1 @@
+"""Benchmarks (not tests): figures go to docs/performance.md."""

