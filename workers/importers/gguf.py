@@ -33,14 +33,7 @@ def convert_gguf(src: Path, out_dir: Path) -> dict:
     """Convert a GGUF file into an MLX model directory at out_dir (which exists and is empty)."""
     src, out_dir = Path(src), Path(out_dir)
     header = read_header(src)
-    check_complete(header, src)
-    architecture = header.metadata.get("general.architecture")
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModel(
-            f"{src.name}: architecture {architecture!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    _check_tensor_types(header, src)
-    _check_llama_variant(header, src)
-    check_tokenizer_supported(header.metadata)
+    validate(header, src)
     weights, metadata = _load(src, header)
     config = model_config(metadata, weights)
     mlx_weights = rename_weights(weights, config)
@@ -52,12 +45,24 @@ def convert_gguf(src: Path, out_dir: Path) -> dict:
     _write_json(out_dir / "generation_config.json", _generation_config(metadata, eos_ids))
     return {
         "kind": "text",
-        "architecture": architecture,
+        "architecture": header.metadata["general.architecture"],
         "quantization": quantization_label(header),
         "context_length": config["max_position_embeddings"],
         "name_in_file": metadata.get("general.name") or None,
         "license": metadata.get("general.license") or None,
     }
+
+
+def validate(header: GGUFHeader, src: Path) -> None:
+    """Refuse, before loading any tensor, files that are cut short or that we cannot convert faithfully."""
+    check_complete(header, src)
+    architecture = header.metadata.get("general.architecture")
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModel(f"{src.name}: architecture {architecture!r} is not supported "
+                               f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    _check_tensor_types(header, src)
+    _check_llama_variant(header, src)
+    check_tokenizer_supported(header.metadata)
 
 
 def _check_tensor_types(header: GGUFHeader, src: Path) -> None:
@@ -75,11 +80,12 @@ def _check_llama_variant(header: GGUFHeader, src: Path) -> None:
     if int(meta.get("llama.expert_count", 0) or 0) > 0:
         raise UnsupportedModel(f"{src.name}: mixture-of-experts llama (llama.expert_count="
                                f"{meta['llama.expert_count']}) is not supported")
+    # Llama 3.1+ stores its rope scaling only as a rope_freqs tensor, which mlx_lm's config cannot express.
+    if "rope_freqs.weight" in header.tensors:
+        raise UnsupportedModel(f"{src.name}: llama-3.1-style rope scaling (rope_freqs tensor) is not supported")
     scaling = meta.get("llama.rope.scaling.type", "none")
-    if scaling not in ("none", "linear") or "rope_freqs.weight" in header.tensors:
-        raise UnsupportedModel(f"{src.name}: rope scaling {scaling!r}"
-                               f"{' with rope_freqs (llama 3.1 style)' if 'rope_freqs.weight' in header.tensors else ''}"
-                               " is not supported")
+    if scaling not in ("none", "linear"):
+        raise UnsupportedModel(f"{src.name}: rope scaling {scaling!r} is not supported")
 
 
 def _load(src: Path, header: GGUFHeader) -> tuple[dict, dict]:
@@ -106,8 +112,9 @@ def model_config(metadata: dict, weights: dict) -> dict:
     """Build mlx_lm's llama config.json content from the GGUF hyper-parameters."""
     heads = int(_meta(metadata, "llama.attention.head_count"))
     hidden = int(_meta(metadata, "llama.embedding_length"))
-    tokens = metadata.get("tokenizer.ggml.tokens") or []
-    vocab = _meta(metadata, "llama.vocab_size", len(tokens) or weights["token_embd.weight"].shape[0])
+    # Older files lack llama.vocab_size; the embedding's row count is the same number.
+    embedding = weights.get("token_embd.weight")
+    vocab = _meta(metadata, "llama.vocab_size", embedding.shape[0] if embedding is not None else None)
     config = {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
@@ -117,8 +124,9 @@ def model_config(metadata: dict, weights: dict) -> dict:
         "num_attention_heads": heads,
         "num_key_value_heads": int(_meta(metadata, "llama.attention.head_count_kv", heads)),
         "head_dim": int(_meta(metadata, "llama.attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(_meta(metadata, "llama.attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(_meta(metadata, "llama.rope.freq_base", 10000.0)),
+        # GGUF stores these as float32: print them as the decimal they were written from (1e-05, not 9.99e-06).
+        "rms_norm_eps": _short_float(_meta(metadata, "llama.attention.layer_norm_rms_epsilon")),
+        "rope_theta": _short_float(_meta(metadata, "llama.rope.freq_base", 10000.0)),
         # q/k rows are un-permuted in rename_weights, so the HF-style (non-interleaved) rope applies.
         "rope_traditional": False,
         "vocab_size": int(vocab),
@@ -128,6 +136,10 @@ def model_config(metadata: dict, weights: dict) -> dict:
     if _meta(metadata, "llama.rope.scaling.type", "none") == "linear":
         config["rope_scaling"] = {"type": "linear", "factor": float(_meta(metadata, "llama.rope.scaling.factor"))}
     return config
+
+
+def _short_float(value) -> float:
+    return float(f"{float(value):.7g}")
 
 
 def rename_weights(weights: dict, config: dict) -> dict:
@@ -147,7 +159,19 @@ def rename_weights(weights: dict, config: dict) -> dict:
         renamed[f"{prefix}{table[base]}.{suffix}"] = array
     if unknown:
         raise UnsupportedModel(f"unexpected tensors for a llama model: {', '.join(sorted(unknown)[:8])}")
+    _check_all_present(renamed, config)
     return renamed
+
+
+def _check_all_present(renamed: dict, config: dict) -> None:
+    needed = ["model.embed_tokens.weight", "model.norm.weight"]
+    needed += [f"model.layers.{i}.{module}.weight" for i in range(config["num_hidden_layers"])
+               for module in _PER_LAYER.values()]
+    if not config["tie_word_embeddings"]:
+        needed.append("lm_head.weight")
+    missing = [name for name in needed if name not in renamed]
+    if missing:
+        raise ConversionError(f"GGUF lacks {len(missing)} tensors of a llama model, e.g. {', '.join(missing[:4])}")
 
 
 def unpermute_rope_rows(array: mx.array, n_heads: int) -> mx.array:

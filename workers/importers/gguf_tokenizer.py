@@ -79,7 +79,11 @@ def build_tokenizer(metadata: dict) -> Tokenizer:
 
 def _token_types(metadata: dict, count: int) -> list[int]:
     types = metadata.get("tokenizer.ggml.token_type")
-    return types.tolist() if types is not None else [NORMAL] * count
+    if types is None:
+        return [NORMAL] * count
+    if types.size != count:
+        raise ConversionError(f"GGUF tokenizer has {count} tokens but {types.size} token types")
+    return types.tolist()
 
 
 def _vocab(tokens: list[str]) -> dict[str, int]:
@@ -135,8 +139,9 @@ def merges_from_scores(tokens: list[str], scores: list[float], types: list[int])
 def _add_special_tokens(tokenizer: Tokenizer, tokens: list[str], types: list[int]) -> None:
     # llama.cpp matches CONTROL and USER_DEFINED tokens whole in raw text before BPE; added tokens
     # with normalized=False do the same. Only CONTROL/UNKNOWN ones are "special" (skipped on decode).
-    special = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k in (CONTROL, UNKNOWN)]
-    user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == USER_DEFINED]
+    special = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types, strict=True)
+               if k in (CONTROL, UNKNOWN)]
+    user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types, strict=True) if k == USER_DEFINED]
     tokenizer.add_special_tokens(special)
     tokenizer.add_tokens(user)
 
