@@ -29,19 +29,20 @@ def _clean_errors(command):
         except KeyboardInterrupt:
             click.echo("error: interrupted", err=True)
             sys.exit(130)
-        except ValueError as exc:
-            # ConversionError is a ValueError too, but a broken input file is not a usage error.
-            from workers.importers.errors import ConversionError
-
-            click.echo(f"error: {_one_line(exc)}", err=True)
-            sys.exit(1 if isinstance(exc, ConversionError) else 2)
         except Exception as exc:
             if os.environ.get("MLXQ_DEBUG"):
                 raise
             click.echo(f"error: {_one_line(exc)}", err=True)
-            sys.exit(1)
+            sys.exit(_exit_code(exc))
 
     return wrapper
+
+
+def _exit_code(exc: Exception) -> int:
+    """2 for a bad argument (invalid name or repo id), 1 for everything else."""
+    from workers.store_admin import InvalidName
+
+    return 2 if isinstance(exc, InvalidName) else 1
 
 
 def _one_line(exc: BaseException) -> str:

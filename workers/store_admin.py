@@ -40,6 +40,10 @@ class ModelExists(StoreError):
     """The store already holds a model of that name (pass force=True to replace it)."""
 
 
+class InvalidName(ValueError):
+    """A store name or Hugging Face repo id that is not well-formed (a usage error)."""
+
+
 class HubUnreachable(StoreError):
     """The Hugging Face hub cannot be reached (offline, firewalled, or HF_HUB_OFFLINE set)."""
 
@@ -73,9 +77,9 @@ def downloads_dir() -> Path:
 
 
 def validate_name(name: str) -> str:
-    """Return `name` if it is a valid store name, else raise ValueError saying what is allowed."""
+    """Return `name` if it is a valid store name, else raise InvalidName saying what is allowed."""
     if not NAME_RE.match(name or ""):
-        raise ValueError(f"invalid model name {name!r}: use lowercase letters, digits, '.', '_' and '-', "
+        raise InvalidName(f"invalid model name {name!r}: use lowercase letters, digits, '.', '_' and '-', "
                          "starting with a letter or digit (at most 128 characters)")
     return name
 
@@ -264,7 +268,7 @@ def hub_reachable(endpoint: str, timeout: float = 3.0) -> bool:
 def pull_from_hub(settings, repo: str, timeout: float = 3.0) -> ModelInfo:
     """Download `repo` into the local HF cache if the hub is reachable, and return its ModelInfo."""
     if not store.HF_REPO_RE.match(repo):
-        raise ValueError(f"invalid Hugging Face repo id {repo!r}: expected owner/name")
+        raise InvalidName(f"invalid Hugging Face repo id {repo!r}: expected owner/name")
     offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
     endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
     if offline or not hub_reachable(endpoint, timeout):

@@ -164,3 +164,23 @@ def test_pull_never_hangs_on_a_hub_that_never_answers(tmp_path):
 def test_pull_respects_hf_hub_offline(tmp_path):
     result = run_cli(tmp_path, "pull", "mlx-community/whatever", HF_HUB_OFFLINE="1")
     assert_clean_error(result, 1, "not reachable")
+
+
+def test_pull_rejects_a_malformed_repo_id(tmp_path):
+    assert_clean_error(run_cli(tmp_path, "pull", "not a repo"), 2, "owner/name")
+
+
+def test_rm_drops_the_aliases_of_a_removed_model(tmp_path):
+    from tests.jobs.test_store import LLAMA_CONFIG, write_store_entry
+
+    models_dir = tmp_path / "models"
+    write_store_entry(models_dir, "llm", LLAMA_CONFIG)
+    write_store_entry(models_dir, "other", LLAMA_CONFIG)
+    (models_dir / "aliases.json").write_text(json.dumps({"chat": "llm", "keep": "other"}))
+    result = run_cli(models_dir, "rm", "llm")
+    assert result.exit_code == 0 and "removed llm (and alias chat)" in result.stdout
+    assert json.loads((models_dir / "aliases.json").read_text()) == {"keep": "other"}
+    assert sorted(p.name for p in models_dir.iterdir()) == ["aliases.json", "other"]
+    assert run_cli(models_dir, "rm", "keep").exit_code == 0  # an alias alone can be removed too
+    assert json.loads((models_dir / "aliases.json").read_text()) == {}
+    assert (models_dir / "other" / "mlxq.json").is_file()
