@@ -39,7 +39,7 @@ def convert_ct2_whisper(src: Path, out_dir: Path) -> dict:
     dims = _dimensions(model)
     dtype = _weight_dtype(model)
     _check_encoder_positions(model, dims)
-    _save_weights(_mlx_weights(model, dims), out_dir / "model.safetensors", dtype)
+    _save_weights(_mlx_weights(model, dims), out_dir / "model.safetensors")
     _write_json(out_dir / "config.json", {"model_type": "whisper", **dims})
     _write_tokenizer_files(src, tokenizer_path, out_dir, dims)
     _write_json(out_dir / "generation_config.json", _generation_config(src, dims))
@@ -62,7 +62,7 @@ def _check_spec(model: Ct2Model) -> None:
         shown = model.spec_name or "(none: binary version 1)"
         raise UnsupportedModel(f"model.bin holds a CTranslate2 '{shown}' model, not a {SPEC_NAME}")
     if model.spec_revision not in KNOWN_REVISIONS:
-        raise UnsupportedModel(f"{SPEC_NAME} revision {model.spec_revision} is newer than this importer knows"
+        raise UnsupportedModel(f"{SPEC_NAME} revision {model.spec_revision} is not one this importer knows"
                                f" (revisions {KNOWN_REVISIONS[0]}-{KNOWN_REVISIONS[-1]})")
     activation = model.variables.get("decoder/activation")
     if activation is not None and int(activation) != _GELU:
@@ -198,12 +198,13 @@ def _check_tied_projection(model: Ct2Model) -> None:
         raise UnsupportedModel("the decoder output projection is not tied to the token embedding")
 
 
-def _save_weights(weights: dict[str, np.ndarray], path: Path, dtype: str) -> None:
+def _save_weights(weights: dict[str, np.ndarray], path: Path) -> None:
     arrays = {}
     for name, array in weights.items():
-        array = np.ascontiguousarray(array)
-        # numpy has no bfloat16: the reader keeps its raw bits as uint16, MLX reinterprets them.
-        arrays[name] = mx.array(array).view(mx.bfloat16) if dtype == "bfloat16" else mx.array(array)
+        array = mx.array(np.ascontiguousarray(array))
+        # numpy has no bfloat16: the reader keeps its raw bits as uint16 (no other CTranslate2
+        # dtype maps to uint16), and MLX reinterprets them.
+        arrays[name] = array.view(mx.bfloat16) if array.dtype == mx.uint16 else array
     mx.save_safetensors(str(path), arrays, metadata={"format": "mlx"})
 
 
@@ -219,7 +220,13 @@ def _is_multilingual(n_vocab: int) -> bool:
 def _read_vocabulary(src: Path) -> list[str] | None:
     """CTranslate2's own id -> token list (vocabulary.json in newer versions, .txt in older), if shipped."""
     if (src / "vocabulary.json").is_file():
-        return json.loads((src / "vocabulary.json").read_text(encoding="utf-8"))
+        try:
+            tokens = json.loads((src / "vocabulary.json").read_text(encoding="utf-8"))
+        except ValueError as exc:
+            raise ConversionError(f"vocabulary.json is not valid JSON: {exc}") from exc
+        if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+            raise ConversionError("vocabulary.json is not a list of tokens")
+        return tokens
     if (src / "vocabulary.txt").is_file():
         # One token per line; split on "\n" only, as str.splitlines would also split on U+2028 etc.
         lines = (src / "vocabulary.txt").read_text(encoding="utf-8").split("\n")
