@@ -27,10 +27,9 @@ def _open_stream(service, max_tokens: int):
     return client, ctx, ctx.__enter__()
 
 
-def _first_chunks(response, n: int) -> tuple[str, list[dict]]:
+def _first_chunks(lines, n: int) -> tuple[str, list[dict]]:
     """Read SSE lines until `n` data chunks arrived; return the job id and the chunks."""
     chunks = []
-    lines = response.iter_lines()
     while len(chunks) < n:
         line = next(lines)
         if line.startswith("data: ") and line != "data: [DONE]":
@@ -41,7 +40,7 @@ def _first_chunks(response, n: int) -> tuple[str, list[dict]]:
 def test_client_disconnect_cancels_the_job(service):
     conn = redis.Redis.from_url(service.redis_url)
     client, ctx, response = _open_stream(service, max_tokens=400)
-    job_id, _ = _first_chunks(response, 4)
+    job_id, _ = _first_chunks(response.iter_lines(), 4)
     ctx.__exit__(None, None, None)
     client.close()  # the client goes away mid-stream
     terminal = wait_until(lambda: [e for e in read_log(conn, job_id) if e["type"] in ("done", "error")], 30,
@@ -58,11 +57,12 @@ def test_client_disconnect_cancels_the_job(service):
 def test_worker_killed_mid_stream_gives_an_error_event_within_15s(service):
     client, ctx, response = _open_stream(service, max_tokens=2000)
     try:
-        job_id, _ = _first_chunks(response, 2)
+        lines = response.iter_lines()
+        _first_chunks(lines, 2)
         service.worker.kill9()
         killed_at = time.monotonic()
         error = None
-        for line in response.iter_lines():
+        for line in lines:
             if line.startswith("data: {") and '"error"' in line:
                 error = json.loads(line[6:])
                 break
