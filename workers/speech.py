@@ -1,0 +1,284 @@
+"""The speech backend (mlx-audio Whisper): load a model and transcribe a file window by window.
+
+This is Whisper's own seek loop (as in `Model.generate`), turned inside out: instead of decoding the
+whole file in one call, `transcribe_chunks` yields after every 30 s window with the segments it
+finished and the state needed to go on (`ResumeState`), so a job can checkpoint, yield to
+interactive work, or resume after a crash in another process, and audio is streamed from disk.
+
+Boundaries lose and double nothing because a window is only ever cut at a segment boundary: of a
+window's segments we keep those that end before its last timestamp token (Whisper's rule) and, in a
+window followed by more audio, before its end minus `EDGE_MARGIN_S`; the next window starts where
+the last kept segment ends, and the text so far is its prompt (condition_on_previous_text).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import mlx.core as mx
+import numpy as np
+from mlx_audio.stt.models.whisper.audio import (
+    FRAMES_PER_SECOND,
+    HOP_LENGTH,
+    N_FRAMES,
+    N_SAMPLES,
+    log_mel_spectrogram,
+    pad_or_trim,
+)
+from mlx_audio.stt.models.whisper.decoding import DecodingOptions, DecodingResult
+from mlx_audio.stt.models.whisper.timing import add_word_timestamps
+from mlx_audio.stt.models.whisper.tokenizer import LANGUAGES, TO_LANGUAGE_CODE
+
+from workers.audio import AudioReader
+
+EDGE_MARGIN_S = 1.0
+"""A segment ending this close to the end of a window that has audio after it may hold a word cut
+in two by the window edge: it is decoded again as the start of the next window instead."""
+
+TIME_PRECISION = 0.02
+"""Seconds per Whisper timestamp token."""
+
+_FALLBACK_STEP = 0.2  # temperature increments of the fallback ladder (Whisper's defaults below)
+_COMPRESSION_RATIO_MAX = 2.4
+_LOGPROB_MIN = -1.0
+_NO_SPEECH_MIN = 0.6
+_PROMPT_KEEP = 223  # Whisper's decoder only reads the last n_text_ctx // 2 - 1 prompt tokens
+
+
+@dataclass(frozen=True)
+class Options:
+    """What a client may ask of a transcription (OpenAI's parameters)."""
+
+    language: str | None = None
+    prompt: str | None = None
+    temperature: float = 0.0
+    word_timestamps: bool = False
+
+
+@dataclass
+class ResumeState:
+    """Where a transcription stands between windows; JSON-serializable (see to_dict/from_dict)."""
+
+    seek: int = 0  # start of the next window, in mel frames (10 ms)
+    next_id: int = 0  # id of the next segment
+    prompt_tokens: list[int] = field(default_factory=list)  # the previous text, as the next prompt
+    last_speech_s: float = 0.0  # end of the last word (word-timestamp heuristics)
+    language: str | None = None
+
+    @property
+    def offset_s(self) -> float:
+        """The next window's start in seconds."""
+        return self.seek / FRAMES_PER_SECOND
+
+    def to_dict(self) -> dict:
+        """A JSON-serializable copy (checkpoints)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ResumeState":
+        """Rebuild from `to_dict`'s output."""
+        return cls(**data)
+
+
+@dataclass
+class ChunkResult:
+    """What one window produced: new segments (each with its `words` when asked) and the state after it."""
+
+    segments: list[dict]
+    state: ResumeState
+    finished: bool
+
+
+def load(path: Path, float32: bool = False):
+    """Load an mlx-audio Whisper model (tokenizer included); (model, None) as the registry expects."""
+    from mlx_audio.stt import load as load_stt
+
+    model = load_stt(str(path))
+    # MLX has no fast float16 kernels on CPU: there, float32 is several times faster for Whisper.
+    if float32 or mx.default_device().type == mx.DeviceType.cpu:
+        to_float32(model)
+    mx.eval(model.parameters())
+    return model, None
+
+
+def to_float32(model) -> None:
+    """Upcast a Whisper model, including the constants its modules keep outside the parameters."""
+    model.set_dtype(mx.float32)
+    model.dtype = mx.float32
+    model.encoder._positional_embedding = model.encoder._positional_embedding.astype(mx.float32)
+    model.decoder._mask = model.decoder._mask.astype(mx.float32)
+
+
+def language_name(code: str | None) -> str | None:
+    """Whisper's name for a language code ("en" -> "english"), as OpenAI's verbose_json reports it."""
+    return LANGUAGES.get(code, code) if code else None
+
+
+def initial_state(model, options: Options) -> ResumeState:
+    """The state before the first window: the client's prompt, the language if known."""
+    # An English-only model knows no other language; a name ("german") becomes its code ("de").
+    language = TO_LANGUAGE_CODE.get(options.language, options.language) if model.is_multilingual else "en"
+    state = ResumeState(language=language)
+    if options.prompt and options.prompt.strip():
+        tokenizer = model.get_tokenizer(language=language or "en", task="transcribe")
+        state.prompt_tokens = tokenizer.encode(" " + options.prompt.strip())[-_PROMPT_KEEP:]
+    return state
+
+
+def transcribe_chunks(model, path, options: Options, start_state: ResumeState | None = None
+                      ) -> Iterator[ChunkResult]:
+    """Transcribe `path` from `start_state` (None: the beginning), one window per yielded ChunkResult."""
+    state = start_state or initial_state(model, options)
+    reader = AudioReader(path, state.offset_s)
+    try:
+        while True:
+            samples = reader.read(state.seek * HOP_LENGTH, N_SAMPLES)
+            if len(samples) < HOP_LENGTH:  # less than one frame left: nothing to decode
+                yield ChunkResult([], state, True)
+                return
+            chunk = decode_window(model, samples, options, state, has_more=len(samples) == N_SAMPLES)
+            yield chunk
+            if chunk.finished:
+                return
+            state = chunk.state
+    finally:
+        reader.close()
+
+
+def decode_window(model, samples: np.ndarray, options: Options, state: ResumeState, has_more: bool
+                  ) -> ChunkResult:
+    """Decode one window (up to 30 s starting at state.seek) and decide where the next one starts."""
+    frames = len(samples) // HOP_LENGTH
+    mel = log_mel_spectrogram(mx.array(samples), n_mels=model.dims.n_mels, padding=N_SAMPLES)
+    mel = pad_or_trim(mel[:frames], N_FRAMES, axis=-2).astype(model.dtype)
+    language = state.language or _detect_language(model, mel)
+    tokenizer = model.get_tokenizer(language=language, task="transcribe")
+    result = _decode_with_fallback(model, mel, options, state, language)
+    if _is_silence(result):
+        return _advance(state, [], state.seek + frames, language, frames, has_more, result)
+    segments, next_seek = _split_segments(np.array(result.tokens), tokenizer, result, state.seek, frames,
+                                          has_more)
+    if options.word_timestamps and segments:
+        add_word_timestamps(segments=segments, model=model, tokenizer=tokenizer, mel=mel, num_frames=frames,
+                            last_speech_timestamp=state.last_speech_s)
+    return _advance(state, segments, next_seek, language, frames, has_more, result)
+
+
+def _advance(state: ResumeState, segments: list[dict], next_seek: int, language: str, frames: int,
+             has_more: bool, result: DecodingResult) -> ChunkResult:
+    """Number the kept segments and build the state the next window starts from."""
+    spoken = [seg for seg in segments if seg["text"].strip() and seg["end"] > seg["start"]]
+    for number, seg in enumerate(spoken, start=state.next_id):
+        seg["id"] = number
+    prompt = state.prompt_tokens + [t for seg in spoken for t in seg["tokens"]]
+    if result.temperature > 0.5:
+        prompt = []  # Whisper drops a prompt decoded at high temperature: it is likely garbage
+    words = [w for seg in spoken for w in seg.get("words", ())]
+    new_state = ResumeState(
+        seek=next_seek, next_id=state.next_id + len(spoken), prompt_tokens=prompt[-_PROMPT_KEEP:],
+        last_speech_s=words[-1]["end"] if words else state.last_speech_s, language=language,
+    )
+    finished = not has_more and next_seek >= state.seek + frames
+    return ChunkResult([_public_segment(seg) for seg in spoken], new_state, finished)
+
+
+def _split_segments(tokens: np.ndarray, tokenizer, result: DecodingResult, seek: int, frames: int,
+                    has_more: bool) -> tuple[list[dict], int]:
+    """Cut a window's tokens into segments at timestamp pairs; return the complete ones and the next seek."""
+    offset = seek / FRAMES_PER_SECOND
+    is_ts = tokens >= tokenizer.timestamp_begin
+    single_ending = is_ts[-2:].tolist() == [False, True]
+    cuts = (np.where(is_ts[:-1] & is_ts[1:])[0] + 1).tolist()
+    if single_ending:
+        cuts.append(len(tokens))
+    segments, last = [], 0
+    for cut in cuts:
+        piece = tokens[last:cut]
+        start, end = (int(piece[i]) - tokenizer.timestamp_begin for i in (0, -1))
+        segments.append(_segment(piece, tokenizer, result, seek, offset + start * TIME_PRECISION,
+                                 offset + end * TIME_PRECISION))
+        last = cut
+    if not segments:  # no timestamp pair: the whole window is one segment (as in Whisper)
+        end = offset + _lone_end(tokens, tokenizer, frames)
+        return [_segment(tokens, tokenizer, result, seek, offset, end)], seek + frames
+    return _keep_complete(segments, seek, frames, has_more, single_ending)
+
+
+def _lone_end(tokens: np.ndarray, tokenizer, frames: int) -> float:
+    """End of a window's only segment: its last timestamp if it has a non-zero one, else the window's end."""
+    stamps = tokens[tokens >= tokenizer.timestamp_begin]
+    if len(stamps) and stamps[-1] != tokenizer.timestamp_begin:
+        return (int(stamps[-1]) - tokenizer.timestamp_begin) * TIME_PRECISION
+    return frames / FRAMES_PER_SECOND
+
+
+def _keep_complete(segments: list[dict], seek: int, frames: int, has_more: bool, single_ending: bool
+                   ) -> tuple[list[dict], int]:
+    """Drop segments that may be cut by the window edge; the next window starts after the last kept one."""
+    window_end = (seek + frames) / FRAMES_PER_SECOND
+    if has_more:
+        kept = [seg for seg in segments if seg["end"] <= window_end - EDGE_MARGIN_S] or segments
+    elif single_ending:
+        return segments, seek + frames  # the last window, and Whisper says nothing follows
+    else:
+        kept = segments
+    next_seek = round(kept[-1]["end"] * FRAMES_PER_SECOND)
+    return kept, next_seek if next_seek > seek else seek + frames
+
+
+def _segment(tokens: np.ndarray, tokenizer, result: DecodingResult, seek: int, start: float, end: float) -> dict:
+    """One segment in Whisper's shape (verbose_json's, plus `words` added later when asked)."""
+    token_list = tokens.tolist()
+    return {
+        "id": 0, "seek": seek, "start": round(start, 2), "end": round(end, 2),
+        "text": tokenizer.decode([t for t in token_list if t < tokenizer.eot]), "tokens": token_list,
+        "temperature": result.temperature, "avg_logprob": result.avg_logprob,
+        "compression_ratio": result.compression_ratio, "no_speech_prob": result.no_speech_prob,
+    }
+
+
+def _public_segment(seg: dict) -> dict:
+    """Plain JSON types, words reduced to OpenAI's {"word", "start", "end"} (trimmed)."""
+    out = {k: v for k, v in seg.items() if k != "words"}
+    for key in ("temperature", "avg_logprob", "compression_ratio", "no_speech_prob"):
+        out[key] = float(out[key])
+    if "words" in seg:
+        out["words"] = [{"word": w["word"].strip(), "start": float(w["start"]), "end": float(w["end"])}
+                        for w in seg["words"]]
+    return out
+
+
+def _decode_with_fallback(model, mel: mx.array, options: Options, state: ResumeState, language: str
+                          ) -> DecodingResult:
+    """Decode at the client's temperature, retrying hotter while the output looks degenerate."""
+    ladder = np.arange(options.temperature, 1.0 + 1e-6, _FALLBACK_STEP).round(2).tolist() or [options.temperature]
+    result = None
+    for temperature in ladder:
+        if temperature > 0:
+            # Seeded by position: a window decodes the same whether or not the job was interrupted.
+            mx.random.seed(state.seek)
+        decode_options = DecodingOptions(language=language, task="transcribe", temperature=temperature,
+                                         prompt=list(state.prompt_tokens), fp16=model.dtype == mx.float16)
+        result = model.decode(mel, decode_options)
+        if not _needs_fallback(result):
+            break
+    return result
+
+
+def _needs_fallback(result: DecodingResult) -> bool:
+    too_repetitive = result.compression_ratio > _COMPRESSION_RATIO_MAX
+    unlikely = result.avg_logprob < _LOGPROB_MIN
+    return (too_repetitive or unlikely) and not _is_silence(result)
+
+
+def _is_silence(result: DecodingResult) -> bool:
+    """Whisper's no-speech rule: the no-speech token is likely and the text is not."""
+    return result.no_speech_prob > _NO_SPEECH_MIN and result.avg_logprob < _LOGPROB_MIN
+
+
+def _detect_language(model, mel: mx.array) -> str:
+    """The most likely language of a window (multilingual models only)."""
+    _, probs = model.detect_language(mel)
+    return max(probs, key=probs.get)
