@@ -6,7 +6,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,26 +18,6 @@ from jobs.settings import load_settings
 
 REPO = Path(__file__).resolve().parent.parent
 
-
-def _preload_fast_blas() -> None:
-    """Re-run pytest with the BLAS the worker would pick (measured, cached), before MLX loads.
-
-    The mlx[cpu] wheel's bundled BLAS is ~25x slower than OpenBLAS here, and a library can only be
-    swapped in by LD_PRELOAD at process start: the same choice the worker makes for itself.
-    """
-    if os.environ.get("MLXQ_TESTS_BLAS_DONE"):
-        return
-    os.environ["MLXQ_TESTS_BLAS_DONE"] = "1"
-    from workers.platform import blas_loaded, choose_blas
-
-    choice = choose_blas()
-    if choice.path is None or blas_loaded(choice.path):
-        return
-    preload = ":".join(p for p in (choice.path, os.environ.get("LD_PRELOAD", "")) if p)
-    os.execve(sys.executable, [sys.executable, "-m", "pytest", *sys.argv[1:]], {**os.environ, "LD_PRELOAD": preload})
-
-
-_preload_fast_blas()
 
 
 def free_port() -> int:
