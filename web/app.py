@@ -9,7 +9,7 @@ from flask import Flask, g, request
 from flask_smorest import Api
 
 from jobs.settings import Settings, load_settings
-from web import health, models_api, openai_api
+from web import audio_api, health, jobs_api, models_api, openai_api
 from web.auth import register_auth
 from web.dashboard import mount_dashboard
 from web.errors import register_error_handlers
@@ -36,7 +36,7 @@ def create_app(settings: Settings | dict | None = None) -> Flask:
     register_auth(app)
     register_error_handlers(app)
     api = Api(app)
-    for module in (openai_api, models_api, health):
+    for module in (openai_api, models_api, health, audio_api, jobs_api):
         api.register_blueprint(module.blp)
     mount_dashboard(app, settings.redis_url)
     register_error_handlers(app)  # again: Api() installs its own handlers; ours must win

@@ -112,7 +112,7 @@ def service(redis_url, models_dir):
     """The running service, shared by the integration tests (tests that kill the worker restart it)."""
     if not (models_dir / "smollm2-135m").exists():
         pytest.fail(f"demo model missing in {models_dir}: run `make test` or `mlxq models pull-demo` first")
-    svc = Service(redis_url, models_dir).start()
+    svc = Service(redis_url, models_dir, MLXQ_WEBHOOK_ALLOW_PRIVATE=1, MLXQ_WEBHOOK_SECRET="test-secret").start()
     yield svc
     svc.stop()
 

@@ -1,0 +1,211 @@
+"""Webhooks: tell a client's URL that its async job finished, signed, retried, never to private hosts.
+
+`deliver` runs on a plain RQ worker listening on the `webhooks` queue (never the GPU worker). It
+POSTs `{"id", "status"}` as JSON with the header
+
+    X-Mlxq-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256(secret, f"{t}.{body}")>
+
+and raises on a non-2xx answer or a connection error, so RQ retries it with backoff.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import http.client
+import ipaddress
+import json
+import logging
+import socket
+import ssl
+import time
+from urllib.parse import urlsplit
+
+import redis
+from rq import Retry, get_current_job
+
+from jobs import keys, queues, records
+from jobs.connection import get_redis
+from jobs.events import DONE, decode, has_ended
+from jobs.settings import Settings, load_settings
+from jobs.status import fetch_job
+
+log = logging.getLogger(__name__)
+
+SIGNATURE_HEADER = "X-Mlxq-Signature"
+RETRY_INTERVALS_S = [1, 5, 30, 120, 600]
+"""Backoff between delivery attempts (seconds); one retry per entry."""
+TIMEOUT_S = 10.0
+"""Connect and read timeout of one delivery attempt."""
+DELIVER = "jobs.webhooks.deliver"
+
+
+class UnsafeDestination(ValueError):
+    """A webhook URL that is malformed or resolves to an address we refuse to call."""
+
+
+class DeliveryFailed(RuntimeError):
+    """The receiver answered with a non-2xx status (RQ retries the delivery)."""
+
+
+def sign(secret: str, body: bytes, timestamp: int) -> str:
+    """The signature header value for `body` sent at `timestamp`."""
+    message = f"{timestamp}.".encode() + body
+    digest = hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
+    return f"t={timestamp},v1={digest}"
+
+
+def verify(secret: str, body: bytes, header: str, tolerance_s: float = 300, now: float | None = None) -> bool:
+    """Whether `header` is a valid, fresh signature of `body` (what a receiver should check)."""
+    parts = dict(item.split("=", 1) for item in header.split(",") if "=" in item)
+    try:
+        timestamp = int(parts["t"])
+    except (KeyError, ValueError):
+        return False
+    if abs((time.time() if now is None else now) - timestamp) > tolerance_s:
+        return False
+    return hmac.compare_digest(sign(secret, body, timestamp), f"t={timestamp},v1={parts.get('v1', '')}")
+
+
+def is_public(address: str) -> bool:
+    """Whether an IP address is a public unicast one (not loopback, private, link-local, reserved...)."""
+    ip = ipaddress.ip_address(address.split("%", 1)[0])  # drop an IPv6 zone id
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    # is_global is False for private, loopback, link-local, reserved, shared (CGNAT) and documentation
+    # ranges; the explicit checks keep the intent readable and cover multicast, which can be "global".
+    return ip.is_global and not (ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_reserved
+                                 or ip.is_multicast or ip.is_unspecified)
+
+
+def check_destination(url: str, allow_private: bool) -> list[str]:
+    """Resolve the URL's host; return its addresses, or raise UnsafeDestination saying why."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UnsafeDestination("must be an http:// or https:// URL with a host")
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        infos = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, ValueError) as exc:
+        raise UnsafeDestination(f"host {parts.hostname!r} cannot be resolved ({exc})") from None
+    addresses = list(dict.fromkeys(info[4][0] for info in infos))
+    if not allow_private:
+        blocked = [a for a in addresses if not is_public(a)]
+        if blocked:
+            raise UnsafeDestination(f"host {parts.hostname!r} resolves to a non-public address ({blocked[0]})")
+    return addresses
+
+
+class _PinnedHTTPSConnection(http.client.HTTPSConnection):
+    """HTTPS to a vetted IP address, with SNI and certificate checks against the URL's host name."""
+
+    def __init__(self, host: str, address: str, port: int, timeout: float):
+        super().__init__(host, port, timeout=timeout, context=ssl.create_default_context())
+        self._address = address
+
+    def connect(self):
+        """Connect to the pinned address instead of resolving the host again."""
+        sock = socket.create_connection((self._address, self.port), self.timeout)
+        self.sock = self._context.wrap_socket(sock, server_hostname=self.host)
+
+
+class _PinnedHTTPConnection(http.client.HTTPConnection):
+    """Plain HTTP to a vetted IP address, sending the URL's host in the Host header."""
+
+    def __init__(self, host: str, address: str, port: int, timeout: float):
+        super().__init__(host, port, timeout=timeout)
+        self._address = address
+
+    def connect(self):
+        """Connect to the pinned address instead of resolving the host again."""
+        self.sock = socket.create_connection((self._address, self.port), self.timeout)
+
+
+def post(url: str, address: str, body: bytes, headers: dict, timeout: float = TIMEOUT_S) -> int:
+    """POST `body` to `url`, connecting to `address` (so DNS can't change between check and use)."""
+    parts = urlsplit(url)
+    https = parts.scheme == "https"
+    port = parts.port or (443 if https else 80)
+    cls = _PinnedHTTPSConnection if https else _PinnedHTTPConnection
+    conn = cls(parts.hostname, address, port, timeout)
+    try:
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        conn.request("POST", target, body=body, headers=headers)
+        response = conn.getresponse()
+        response.read(64 * 1024)  # drain a little so the connection closes cleanly; the body is unused
+        return response.status
+    finally:
+        conn.close()
+
+
+def delivery_body(record: dict) -> bytes:
+    """The JSON body sent for a finished job."""
+    return json.dumps({"id": record["id"], "status": record["status"]}, separators=(",", ":")).encode()
+
+
+def _connection(settings: Settings) -> redis.Redis:
+    """The running RQ job's connection (the worker's --url), else the settings' Redis."""
+    job = get_current_job()
+    return job.connection if job is not None else get_redis(settings.redis_url)
+
+
+def deliver(payload: dict) -> dict:
+    """RQ job: POST the signed outcome of `payload["job_id"]` to its webhook_url (raises to retry)."""
+    settings = load_settings()
+    record = records.get(_connection(settings), payload["job_id"])
+    if record is None or not record.get("webhook_url"):
+        return {"delivered": False, "reason": "no record or no webhook_url"}
+    url = record["webhook_url"]
+    try:  # checked again now: the name may resolve elsewhere than when the job was submitted
+        address = check_destination(url, settings.webhook_allow_private)[0]
+    except UnsafeDestination as exc:
+        log.warning("webhook for %s not sent: %s", record["id"], exc)
+        return {"delivered": False, "reason": str(exc)}
+    body = delivery_body(record)
+    headers = {"Content-Type": "application/json", "User-Agent": "mlxq-webhooks/1",
+               SIGNATURE_HEADER: sign(settings.webhook_secret, body, int(time.time()))}
+    status = post(url, address, body, headers)
+    if not 200 <= status < 300:
+        raise DeliveryFailed(f"webhook receiver {url} answered HTTP {status}")
+    return {"delivered": True, "status": status}
+
+
+def delivery_id(job_id: str) -> str:
+    """The RQ id of a job's webhook delivery (one per job)."""
+    return f"webhook-{job_id}"
+
+
+def enqueue_delivery(connection: redis.Redis, settings: Settings, job_id: str):
+    """Enqueue the webhook delivery of a finished job once (a second call is a no-op); return it."""
+    existing = fetch_job(connection, delivery_id(job_id))
+    if existing is not None:
+        return existing
+    queue = queues.get_queue(queues.WEBHOOKS, connection)
+    return queue.enqueue(DELIVER, {"job_id": job_id}, job_id=delivery_id(job_id),
+                         retry=Retry(max=len(RETRY_INTERVALS_S), interval=RETRY_INTERVALS_S),
+                         description=f"webhook for {job_id}", job_timeout=int(TIMEOUT_S * 3),
+                         result_ttl=settings.result_ttl_s, failure_ttl=settings.result_ttl_s)
+
+
+def settle(connection: redis.Redis, settings: Settings, job_id: str) -> bool:
+    """Record the outcome of a job whose terminal event is logged but whose record is not final.
+
+    For jobs whose function knows nothing of records (async chat): called by readers and by the
+    worker's after-job hook. Enqueues the webhook once. Returns True when it changed the record.
+    """
+    record = records.get(connection, job_id)
+    if record is None or record["status"] in records.TERMINAL or not has_ended(connection, job_id):
+        return False
+    raw = connection.lindex(keys.event_log(job_id), -1)  # the terminal event is always the last one
+    terminal = decode(raw) if raw else {"type": "error", "data": {"message": "The job's events expired."}}
+    if terminal["type"] != DONE:
+        error = terminal["data"]
+        status = "canceled" if error.get("code") == "canceled" else "failed"
+        records.set_status(connection, settings, job_id, status, error=error)
+    else:
+        data = terminal["data"]
+        records.set_result(connection, settings, job_id, data.get("result", data))
+        records.set_status(connection, settings, job_id, "succeeded")
+    if record.get("webhook_url"):
+        enqueue_delivery(connection, settings, job_id)
+    return True

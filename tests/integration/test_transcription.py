@@ -1,0 +1,387 @@
+"""Speech to text end to end: gunicorn, Redis, the real worker and whisper-tiny.en on the fixtures."""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import string
+import threading
+import time
+import wave
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import jiwer
+import pytest
+import redis
+from click.testing import CliRunner
+from rq import SimpleWorker
+from rq.serializers import JSONSerializer
+
+from jobs import queues
+from jobs.settings import load_settings
+from jobs.webhooks import SIGNATURE_HEADER, verify
+from mlxq.transcribe_cli import transcribe
+from tests.conftest import REPO, wait_until
+from web.app import create_app
+
+MODEL = "whisper-tiny.en"
+TEXT_MODEL = "smollm2-135m"
+SPEECH = REPO / "tests" / "fixtures" / "speech"
+WEBHOOK_SECRET = "test-secret"  # what the `service` fixture passes as MLXQ_WEBHOOK_SECRET
+FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
+CUE_TIME = r"(?:\d\d:)?\d\d:\d\d[.,]\d\d\d"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def speech_model(models_dir):
+    """The Whisper demo model must be in the store."""
+    if not (models_dir / MODEL).exists():
+        pytest.fail(f"{MODEL} missing in {models_dir}: run `make test` or `mlxq models pull-demo` first")
+
+
+def normalise(text: str) -> str:
+    """Lowercase, no punctuation, single spaces (what WER is computed on)."""
+    text = text.lower().replace("-", " ")
+    return " ".join(text.translate(str.maketrans("", "", string.punctuation)).split())
+
+
+def assert_wer(hypothesis: str, name: str, limit: float = 0.2):
+    """The transcript is within `limit` word error rate of the fixture's script."""
+    reference = normalise((SPEECH / f"{name}.txt").read_text())
+    error = jiwer.wer(reference, normalise(hypothesis))
+    assert error <= limit, f"WER {error:.2f} for {name}: {hypothesis!r}"
+
+
+def cue_texts(body: str) -> list[str]:
+    """The text lines of SRT/VTT cues (everything that is not a header, a number or a timing)."""
+    return [line for line in body.splitlines()
+            if line.strip() and line != "WEBVTT" and not line.isdigit() and "-->" not in line]
+
+
+def cue_times(body: str) -> list[tuple[str, str]]:
+    """Every cue's (start, end) timing."""
+    return re.findall(rf"({CUE_TIME}) --> ({CUE_TIME})", body)
+
+
+def read_sse(api, url: str, headers: dict | None = None, timeout: float = 120) -> list[dict]:
+    """Read an SSE stream to its end: [{"id", "event", "data"}]; fail past `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    events, current = [], {}
+    with api.stream("GET", url, headers=headers or {}) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            assert time.monotonic() < deadline, f"stream {url} still open after {timeout}s"
+            if line.startswith("id: "):
+                current["id"] = int(line[4:])
+            elif line.startswith("event: "):
+                current["event"] = line[7:]
+            elif line.startswith("data: "):
+                current["data"] = json.loads(line[6:])
+            elif not line and current:
+                events.append(current)
+                current = {}
+    return events
+
+
+def transcribe_sync(api, name: str = "garden.wav", **form):
+    """POST a fixture to /v1/audio/transcriptions."""
+    with open(SPEECH / name, "rb") as f:
+        return api.post("/v1/audio/transcriptions", data={"model": MODEL, **form}, files={"file": (name, f)})
+
+
+def submit_job(api, name: str = "garden.wav", content: bytes | None = None, **form) -> dict:
+    """POST an async transcription job; return the 202 body (after checking the answer's shape)."""
+    content = (SPEECH / name).read_bytes() if content is None else content
+    response = api.post("/v1/jobs/transcriptions", data={"model": MODEL, **form}, files={"file": (name, content)})
+    assert response.status_code == 202, response.text
+    body = response.json()
+    assert body["object"] == "job" and body["status"] == "queued"
+    assert response.headers["Location"] == body["links"]["self"] == f"/v1/jobs/{body['id']}"
+    return body
+
+
+def long_wav(repeats: int = 3) -> bytes:
+    """All four fixtures, `repeats` times over (about a minute per repeat): a job that runs a while."""
+    out = io.BytesIO()
+    with wave.open(out, "wb") as dst:
+        dst.setnchannels(1), dst.setsampwidth(2), dst.setframerate(16000)
+        for _ in range(repeats):
+            for name in ("garden", "numbers", "train_journey", "weather"):
+                with wave.open(str(SPEECH / f"{name}.wav")) as src:
+                    dst.writeframes(src.readframes(src.getnframes()))
+    return out.getvalue()
+
+
+# --- the OpenAI-compatible endpoint -----------------------------------------------------------
+
+def spool_jobs(prefix: str = "transcr-") -> set:
+    """The sync jobs' directories in the service's spool (same environment, same default path)."""
+    spool = load_settings().spool_dir
+    return {p.name for p in spool.iterdir() if p.name.startswith(prefix)} if spool.exists() else set()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_response_format(openai_client, fmt):
+    """The official client, every format: structure, content type and content (WER) checked."""
+    before = spool_jobs()
+    with open(SPEECH / "garden.wav", "rb") as f:
+        raw = openai_client.audio.transcriptions.with_raw_response.create(
+            model=MODEL, file=f, response_format=fmt, temperature=0)
+    body = raw.parse()
+    assert spool_jobs() <= before  # the upload is gone once the answer is out
+    if fmt in ("json", "verbose_json"):
+        assert raw.headers["content-type"].startswith("application/json")
+        assert_wer(body.text, "garden")
+        if fmt == "verbose_json":
+            assert body.language.startswith("en") and 14 < body.duration < 16
+            segments = body.segments
+            assert [s.id for s in segments] == list(range(len(segments)))
+            assert all(0 <= s.start < s.end <= body.duration + 1 for s in segments)
+            assert normalise(" ".join(s.text for s in segments)) == normalise(body.text)
+        return
+    assert raw.headers["content-type"].startswith("text/plain") and isinstance(body, str)
+    if fmt == "text":
+        assert_wer(body, "garden")
+        return
+    assert body.startswith("WEBVTT") if fmt == "vtt" else body.startswith("1\n")
+    times = cue_times(body)
+    assert times and len(times) == len(cue_texts(body))
+    assert all(("," in start) == (fmt == "srt") for start, _ in times)
+    assert_wer(" ".join(cue_texts(body)), "garden")
+
+
+def test_word_timestamps_on_ogg(api):
+    response = transcribe_sync(api, "weather.ogg", response_format="verbose_json",
+                               **{"timestamp_granularities[]": ["word", "segment"]})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    words = body["words"]
+    assert abs(len(words) - len(body["text"].split())) <= 3
+    assert all(w["start"] <= w["end"] for w in words)
+    assert [w["start"] for w in words] == sorted(w["start"] for w in words)
+    assert_wer(" ".join(w["word"] for w in words), "weather")
+    assert_wer(body["text"], "weather")
+    assert body["segments"]
+
+
+def test_plain_http_json(api):
+    response = transcribe_sync(api, "train_journey.wav")
+    assert response.status_code == 200, response.text
+    assert set(response.json()) >= {"text"}
+    assert_wer(response.json()["text"], "train_journey")
+
+
+def test_openai_client_stream(openai_client):
+    with open(SPEECH / "garden.wav", "rb") as f:
+        stream = openai_client.audio.transcriptions.create(model=MODEL, file=f, stream=True)
+        events = list(stream)
+    assert [e.type for e in events[:-1]] == ["transcript.text.delta"] * (len(events) - 1)
+    assert events[-1].type == "transcript.text.done" and len(events) >= 2
+    assert normalise("".join(e.delta for e in events[:-1])) == normalise(events[-1].text)
+    assert_wer(events[-1].text, "garden")
+    wait_until(lambda: not spool_jobs(), 10, what="the streamed job's upload to be removed")
+
+
+def test_cli_sync_and_async(service, tmp_path):
+    out = tmp_path / "garden.srt"
+    result = CliRunner().invoke(transcribe, [str(SPEECH / "garden.wav"), "--format", "srt", "--url",
+                                             service.base_url, "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    assert_wer(" ".join(cue_texts(out.read_text())), "garden")
+    result = CliRunner().invoke(transcribe, [str(SPEECH / "weather.ogg"), "--async", "--url", service.base_url])
+    assert result.exit_code == 0, result.output
+    assert "queued" in result.stderr
+    assert_wer(result.stdout, "weather")
+
+
+# --- async jobs -------------------------------------------------------------------------------
+
+def test_async_job_submit_follow_result(api):
+    job = submit_job(api, "numbers.wav", metadata=json.dumps({"team": "qa", "n": 1}))
+    events = read_sse(api, job["links"]["events"])
+    assert events[-1]["event"] == "done" and "error" not in [e["event"] for e in events]
+    assert [e["id"] for e in events] == sorted(e["id"] for e in events)
+    assert any(e["event"] == "segment" for e in events) and any(e["event"] == "progress" for e in events)
+    assert events[-1]["data"]["result"]["segments"]
+    record = api.get(job["links"]["self"]).json()
+    assert record["status"] == "succeeded" and record["kind"] == "transcription" and record["model"] == MODEL
+    assert record["metadata"] == {"team": "qa", "n": 1} and record["filename"] == "numbers.wav"
+    assert record["result"]["text"] == events[-1]["data"]["result"]["text"]
+    assert record["progress"]["percent"] == pytest.approx(100, abs=1)
+    srt = api.get(job["links"]["result"], params={"format": "srt"})
+    assert srt.status_code == 200 and cue_times(srt.text)
+    text = api.get(job["links"]["result"], params={"format": "text"})
+    assert text.status_code == 200 and text.text.strip() == record["result"]["text"].strip()
+    assert api.get(job["links"]["result"]).json()["text"] == record["result"]["text"]  # default: json
+
+
+def test_sse_replay_from_start_middle_and_after_end(api):
+    job = submit_job(api, "train_journey.wav")
+    live = read_sse(api, job["links"]["events"])  # connected right after submitting: live events
+    assert live[-1]["event"] == "done"
+    after_end = read_sse(api, job["links"]["events"])
+    assert after_end == live
+    middle = live[len(live) // 2]["id"]
+    assert read_sse(api, job["links"]["events"], headers={"Last-Event-ID": str(middle)}) == \
+        [e for e in live if e["id"] > middle]
+    assert read_sse(api, job["links"]["events"] + f"?last_event_id={middle}") == \
+        [e for e in live if e["id"] > middle]
+    segments = [e["data"]["segment"]["text"] for e in live if e["event"] == "segment"]
+    assert normalise(" ".join(segments)) == normalise(live[-1]["data"]["result"]["text"])
+
+
+def test_cancel_queued_then_running_job(api):
+    running = submit_job(api, "long.wav", content=long_wav())
+    queued = submit_job(api, "garden.wav")
+    not_ready = api.get(queued["links"]["result"])
+    assert not_ready.status_code == 409 and not_ready.json()["error"]["code"] == "not_ready"
+    canceled = api.delete(queued["links"]["self"])
+    assert canceled.status_code == 200, canceled.text
+    assert canceled.json()["status"] == "canceled"
+    assert read_sse(api, queued["links"]["events"], timeout=10)[-1]["data"]["code"] == "canceled"
+    assert api.get(queued["links"]["result"]).json()["error"]["code"] == "canceled"
+    assert api.delete(queued["links"]["self"]).status_code == 409
+
+    with api.stream("GET", running["links"]["events"]) as stream:  # wait until it really runs
+        for line in stream.iter_lines():
+            if line == "event: progress" or line == "event: segment":
+                break
+    response = api.delete(running["links"]["self"])
+    assert response.status_code == 202, response.text
+    events = read_sse(api, running["links"]["events"], timeout=60)
+    assert events[-1]["event"] == "error" and events[-1]["data"]["code"] == "canceled"
+    wait_until(lambda: api.get(running["links"]["self"]).json()["status"] == "canceled", 10,
+               what="the running job's record to say canceled")
+
+
+def test_job_listing_is_newest_first_with_cursors(api):
+    ids = [submit_job(api, "garden.wav")["id"] for _ in range(3)]
+    for job_id in ids:
+        api.delete(f"/v1/jobs/{job_id}")  # not needed to run; canceled or canceling is fine
+    seen, cursor = [], None
+    while len(seen) < 3:
+        page = api.get("/v1/jobs", params={"limit": 1, **({"cursor": cursor} if cursor else {})}).json()
+        assert page["object"] == "list" and len(page["data"]) == 1
+        seen.append(page["data"][0]["id"])
+        cursor = page["next_cursor"]
+        assert len(seen) == 3 or (page["has_more"] and cursor)
+    assert seen == ids[::-1]
+    listed = api.get("/v1/jobs", params={"status": "canceled", "limit": 100}).json()["data"]
+    assert all(item["status"] == "canceled" for item in listed)
+
+
+def test_async_chat_job(api):
+    response = api.post("/v1/jobs/chat/completions", json={
+        "model": TEXT_MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "temperature": 0, "max_tokens": 24})
+    assert response.status_code == 202, response.text
+    job = response.json()
+    assert read_sse(api, job["links"]["events"])[-1]["event"] == "done"
+    record = api.get(job["links"]["self"]).json()
+    assert record["status"] == "succeeded" and record["kind"] == "chat"
+    assert record["result"]["object"] == "chat.completion"
+    assert "Paris" in api.get(job["links"]["result"]).json()["choices"][0]["message"]["content"]
+
+
+class Receiver:
+    """A local webhook receiver recording each POST."""
+
+    def __init__(self):
+        self.hits: list[tuple[dict, bytes]] = []
+        hits = self.hits
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                hits.append((dict(self.headers), self.rfile.read(int(self.headers["Content-Length"]))))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_webhook_arrives_once_signed(api, service, monkeypatch):
+    monkeypatch.setenv("MLXQ_REDIS_URL", service.redis_url)  # the in-process webhook worker's settings
+    monkeypatch.setenv("MLXQ_WEBHOOK_SECRET", WEBHOOK_SECRET)
+    monkeypatch.setenv("MLXQ_WEBHOOK_ALLOW_PRIVATE", "1")
+    receiver = Receiver()
+    try:
+        job = submit_job(api, "garden.wav", webhook_url=receiver.url)
+        assert read_sse(api, job["links"]["events"])[-1]["event"] == "done"
+        connection = redis.Redis.from_url(service.redis_url)  # not `redis_conn`: that one flushes the db
+        queue = queues.get_queue(queues.WEBHOOKS, connection)
+        wait_until(lambda: any(j.args[0]["job_id"] == job["id"] for j in queue.jobs), 10,
+                   what="the webhook delivery job")
+        for _ in range(2):  # a second pass must not deliver again
+            SimpleWorker([queue], connection=connection, serializer=JSONSerializer).work(burst=True)
+        assert len(receiver.hits) == 1
+        headers, body = receiver.hits[0]
+        assert json.loads(body) == {"id": job["id"], "status": "succeeded"}
+        assert verify(WEBHOOK_SECRET, body, headers[SIGNATURE_HEADER])
+    finally:
+        receiver.server.shutdown()
+        receiver.server.server_close()
+
+
+# --- bad input --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("content, status, code, reason", [
+    (b"", 400, "invalid_audio", "empty"),
+    ((SPEECH / "weather.ogg").read_bytes()[:60] + bytes(4000), 400, "invalid_audio", "corrupt"),
+    (b"just some text, no sound at all\n" * 40, 415, "unsupported_media_type", "not_audio"),
+])
+def test_bad_audio(api, content, status, code, reason):
+    response = api.post("/v1/audio/transcriptions", data={"model": MODEL}, files={"file": ("a.ogg", content)})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"], error["reason"]) == (code, "file", reason)
+    assert reason.replace("_", " ") in error["message"]
+
+
+@pytest.mark.parametrize("form, status, code, param", [
+    ({"model": "no-such-model"}, 404, "model_not_found", "model"),
+    ({"model": TEXT_MODEL}, 400, "invalid_model", "model"),
+    ({"model": MODEL, "response_format": "docx"}, 400, "invalid_value", "response_format"),
+    ({"model": MODEL, "temperature": "7"}, 400, "invalid_value", "temperature"),
+])
+def test_bad_fields(api, form, status, code, param):
+    with open(SPEECH / "garden.wav", "rb") as f:
+        response = api.post("/v1/audio/transcriptions", data=form, files={"file": ("g.wav", f)})
+    assert response.status_code == status, response.text
+    assert (response.json()["error"]["code"], response.json()["error"]["param"]) == (code, param)
+
+
+def test_missing_file_and_unknown_job(api):
+    response = api.post("/v1/audio/transcriptions", data={"model": MODEL}, files={"other": ("x", b"x")})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "file"
+    for method, path in (("GET", "/v1/jobs/job-nope"), ("GET", "/v1/jobs/job-nope/result"),
+                         ("GET", "/v1/jobs/job-nope/events"), ("DELETE", "/v1/jobs/job-nope")):
+        response = api.request(method, path)
+        assert response.status_code == 404 and response.json()["error"]["code"] == "job_not_found"
+
+
+def test_limits_and_job_options_in_process(redis_url, models_dir, tmp_path):
+    """Flask test client: a 1 MB limit refuses a 3 MB upload with 413; webhook/metadata validation."""
+    app = create_app({"redis_url": redis_url, "models_dir": models_dir, "spool_dir": tmp_path / "spool",
+                      "max_upload_mb": 1})
+    client = app.test_client()
+    big = {"model": MODEL, "file": (io.BytesIO(bytes(3 * 1024 * 1024)), "big.wav")}
+    response = client.post("/v1/audio/transcriptions", data=big)
+    assert response.status_code == 413 and response.get_json()["error"]["code"] == "file_too_large"
+    for form, param in (({"webhook_url": "http://127.0.0.1:9/hook"}, "webhook_url"),
+                        ({"webhook_url": "ftp://example.com/x"}, "webhook_url"),
+                        ({"metadata": "[1, 2]"}, "metadata"),
+                        ({"metadata": json.dumps({str(i): i for i in range(17)})}, "metadata"),
+                        ({"metadata": json.dumps({"a": {"nested": 1}})}, "metadata"),
+                        ({"stream": "true"}, "stream")):
+        garden = (io.BytesIO((SPEECH / "garden.wav").read_bytes()), "g.wav")
+        response = client.post("/v1/jobs/transcriptions", data={"model": MODEL, "file": garden, **form})
+        assert response.status_code == 400, response.get_data(as_text=True)
+        assert response.get_json()["error"]["param"] == param
+    assert not list((tmp_path / "spool").glob("*/*"))  # refused uploads leave nothing behind

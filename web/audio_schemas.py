@@ -1,0 +1,197 @@
+"""Request and response schemas of the transcription endpoint and the async jobs API."""
+
+from __future__ import annotations
+
+import json
+
+from marshmallow import (
+    EXCLUDE,
+    Schema,
+    ValidationError,
+    fields,
+    post_load,
+    validate,
+    validates,
+    validates_schema,
+)
+
+from jobs.formats import FORMATS, GRANULARITIES
+from jobs.records import STATUSES
+from jobs.webhooks import UnsafeDestination, check_destination
+from web.schemas import ChatCompletionRequestSchema
+from web.services import services
+
+DEFAULT_SPEECH_MODEL = "whisper-tiny.en"
+"""Model used when a transcription request names none (OpenAI's clients always send one)."""
+
+MAX_METADATA_KEYS = 16
+
+
+class Metadata(fields.Field):
+    """A flat JSON object of at most 16 keys (a JSON string in multipart forms, an object in JSON)."""
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        if isinstance(value, str):
+            try:
+                value = json.loads(value) if value.strip() else {}
+            except ValueError:
+                raise ValidationError("must be a JSON object") from None
+        if not isinstance(value, dict):
+            raise ValidationError("must be a JSON object")
+        if len(value) > MAX_METADATA_KEYS:
+            raise ValidationError(f"at most {MAX_METADATA_KEYS} keys")
+        for key, item in value.items():
+            if len(key) > 64:
+                raise ValidationError("keys must be at most 64 characters")
+            if isinstance(item, (dict, list)):
+                raise ValidationError(f"must be flat: the value of {key!r} is an object or array")
+            if isinstance(item, str) and len(item) > 512:
+                raise ValidationError(f"the value of {key!r} is longer than 512 characters")
+        return value
+
+
+class TranscriptionFileSchema(Schema):
+    """The multipart file part of a transcription request."""
+
+    file = fields.Raw(required=True, metadata={"type": "string", "format": "binary",
+                                               "description": "The audio file (wav, mp3, ogg, flac, m4a, ...)"})
+
+
+class TranscriptionFormSchema(Schema):
+    """POST /v1/audio/transcriptions form fields (OpenAI's names)."""
+
+    class Meta:
+        unknown = EXCLUDE  # OpenAI fields we do not use (include[], chunking_strategy...) are ignored
+
+    model = fields.String(load_default=DEFAULT_SPEECH_MODEL, validate=validate.Length(min=1, max=512))
+    language = fields.String(load_default=None, validate=validate.Regexp(
+        r"^([A-Za-z]{2,3}([-_][A-Za-z0-9]{2,8})?)?$", error="must be an ISO-639-1 code such as 'en'"))
+    prompt = fields.String(load_default=None, validate=validate.Length(max=4096))
+    temperature = fields.Float(load_default=0.0, validate=validate.Range(min=0, max=1))
+    response_format = fields.String(load_default="json", validate=validate.OneOf(FORMATS))
+    timestamp_granularities = fields.List(fields.String(validate=validate.OneOf(GRANULARITIES)),
+                                          data_key="timestamp_granularities[]", load_default=list)
+    granularities_plain = fields.List(fields.String(validate=validate.OneOf(GRANULARITIES)),
+                                      data_key="timestamp_granularities", load_default=list)
+    stream = fields.Boolean(load_default=False)
+
+    @post_load
+    def _normalise(self, data, **kwargs):
+        """Merge both spellings of timestamp_granularities; empty strings mean "not given"."""
+        granularities = set(data.pop("timestamp_granularities")) | set(data.pop("granularities_plain"))
+        data["timestamp_granularities"] = [g for g in GRANULARITIES if g in granularities] or ["segment"]
+        data["language"] = data["language"] or None
+        data["prompt"] = data["prompt"] or None
+        return data
+
+
+class JobOptionsSchema(Schema):
+    """Fields every async job accepts: where to send a webhook, and the client's own metadata."""
+
+    webhook_url = fields.Url(load_default=None, allow_none=True, schemes={"http", "https"}, require_tld=False,
+                             validate=validate.Length(max=2048))
+    metadata = Metadata(load_default=None, allow_none=True)
+
+    @validates("webhook_url")
+    def _public_destination(self, value, **kwargs):
+        """Refuse URLs resolving to loopback / private / link-local / reserved addresses (SSRF)."""
+        if value:
+            try:
+                check_destination(value, services().settings.webhook_allow_private)
+            except UnsafeDestination as exc:
+                raise ValidationError(str(exc)) from None
+
+    @validates_schema
+    def _no_stream(self, data, **kwargs):
+        """An async job is followed through /v1/jobs/{id}/events, not streamed in the response."""
+        if data.get("stream"):
+            raise ValidationError("is not supported on async jobs: follow /v1/jobs/{id}/events instead",
+                                  field_name="stream")
+
+
+class JobTranscriptionFormSchema(TranscriptionFormSchema, JobOptionsSchema):
+    """POST /v1/jobs/transcriptions form fields."""
+
+
+class JobChatRequestSchema(ChatCompletionRequestSchema, JobOptionsSchema):
+    """POST /v1/jobs/chat/completions body: a chat completion request plus the job options."""
+
+
+class JobListQuerySchema(Schema):
+    """GET /v1/jobs query."""
+
+    class Meta:
+        unknown = EXCLUDE
+
+    status = fields.String(load_default=None, validate=validate.OneOf(STATUSES))
+    limit = fields.Integer(load_default=20, validate=validate.Range(min=1, max=100))
+    cursor = fields.String(load_default=None, validate=validate.Length(max=256))
+
+
+class ResultQuerySchema(Schema):
+    """GET /v1/jobs/{id}/result query."""
+
+    class Meta:
+        unknown = EXCLUDE
+
+    format = fields.String(load_default=None, validate=validate.OneOf(FORMATS))
+
+
+class EventsQuerySchema(Schema):
+    """GET /v1/jobs/{id}/events query (the Last-Event-ID header wins when both are given)."""
+
+    class Meta:
+        unknown = EXCLUDE
+
+    last_event_id = fields.Integer(load_default=0, validate=validate.Range(min=0))
+
+
+class LinksSchema(Schema):
+    """Where to follow a job."""
+
+    self = fields.String()
+    events = fields.String()
+    result = fields.String()
+
+
+class JobAcceptedSchema(Schema):
+    """The 202 answer to an async submission."""
+
+    id = fields.String()
+    object = fields.String(dump_default="job")
+    status = fields.String()
+    links = fields.Nested(LinksSchema)
+
+
+class JobSchema(Schema):
+    """One job record, as GET /v1/jobs/{id} answers it."""
+
+    class Meta:
+        unknown = EXCLUDE
+
+    id = fields.String()
+    object = fields.String(dump_default="job")
+    kind = fields.String()
+    status = fields.String()
+    model = fields.String(allow_none=True)
+    filename = fields.String(allow_none=True)
+    created_at = fields.Raw(allow_none=True)
+    started_at = fields.Raw(allow_none=True)
+    finished_at = fields.Raw(allow_none=True)
+    progress = fields.Dict(allow_none=True)
+    error = fields.Raw(allow_none=True)
+    metadata = fields.Dict(allow_none=True)
+    webhook_url = fields.String(allow_none=True)
+    attempts = fields.Integer(allow_none=True)
+    queue_position = fields.Integer(allow_none=True)
+    links = fields.Nested(LinksSchema)
+    result = fields.Raw(allow_none=True)
+
+
+class JobListSchema(Schema):
+    """GET /v1/jobs."""
+
+    object = fields.String(dump_default="list")
+    data = fields.List(fields.Nested(JobSchema))
+    has_more = fields.Boolean()
+    next_cursor = fields.String(allow_none=True)

@@ -1,0 +1,262 @@
+"""The async jobs API (/v1/jobs): submit long work to `batch`, then poll, follow, fetch or cancel it."""
+
+from __future__ import annotations
+
+import time
+
+from flask import Response, g, request, url_for
+from flask_smorest import Blueprint
+
+from jobs import queues, records
+from jobs.events import HEARTBEAT
+from jobs.status import fetch_job, request_cancel
+from jobs.subscriber import IDLE, follow
+from jobs.webhooks import enqueue_delivery, settle
+from web.audio_api import prepare_transcription, rendered
+from web.audio_schemas import (
+    EventsQuerySchema,
+    JobAcceptedSchema,
+    JobChatRequestSchema,
+    JobListQuerySchema,
+    JobListSchema,
+    JobSchema,
+    JobTranscriptionFormSchema,
+    ResultQuerySchema,
+    TranscriptionFileSchema,
+)
+from web.errors import APIError
+from web.jobrun import KEEPALIVE_S
+from web.openai_api import resolve_model, sampling_payload
+from web.services import Services, services
+from web.sse import SSE_HEADERS, sse_comment, sse_data
+from web.uploads import accepts_upload, discard_job
+
+blp = Blueprint("jobs", __name__, url_prefix="/v1/jobs", description="Async jobs: transcriptions and chat")
+
+CHAT_TIMEOUT_S = 3600
+"""RQ timeout of an async chat job."""
+
+
+def _links(job_id: str) -> dict:
+    """Where a client follows a job."""
+    return {"self": url_for("jobs.get_job", job_id=job_id), "events": url_for("jobs.job_events", job_id=job_id),
+            "result": url_for("jobs.job_result", job_id=job_id)}
+
+
+def _accepted(job_id: str):
+    """The 202 answer to a submission, with a Location header."""
+    body = {"id": job_id, "object": "job", "status": "queued", "links": _links(job_id)}
+    return body, 202, {"Location": body["links"]["self"]}
+
+
+def _record_or_404(job_id: str) -> dict:
+    """The job's record, brought up to date, or a 404 envelope."""
+    svc = services()
+    record = records.get(svc.redis, job_id)
+    if record is None:
+        raise APIError(404, f"No job with id '{job_id}' (it may have expired).", "job_not_found", "id")
+    if record["kind"] == "chat" and record["status"] not in records.TERMINAL:
+        record = _reconcile_chat(record)
+    return record
+
+
+def _reconcile_chat(record: dict) -> dict:
+    """Async chat runs a function that knows nothing of records: read its state from RQ and its events."""
+    svc = services()
+    if settle(svc.redis, svc.settings, record["id"]):
+        return records.get(svc.redis, record["id"])
+    job = fetch_job(svc.redis, record["id"])
+    if record["status"] == "queued" and job is not None and job.get_status() == "started":
+        records.set_status(svc.redis, svc.settings, record["id"], "running")
+        return records.get(svc.redis, record["id"])
+    return record
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """The worker's message list (developer messages become system ones, as in /v1/chat/completions)."""
+    return [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]}
+            for m in body["messages"]]
+
+
+def result_body(record: dict, result: dict | None):
+    """A job's result as the client sees it: verbose_json, or a chat.completion object for chat."""
+    if record["kind"] != "chat" or result is None:
+        return result
+    choices = [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
+                "logprobs": None, "finish_reason": c["finish_reason"]} for c in result["choices"]]
+    return {"id": record["id"], "object": "chat.completion", "created": result.get("created") or record["created_at"],
+            "model": result.get("model", record.get("model")), "system_fingerprint": None,
+            "choices": choices, "usage": result.get("usage")}
+
+
+def _create_and_enqueue(job_id: str, kind: str, fields: dict, func: str, payload: dict, **options) -> None:
+    """Create the job's record, then enqueue it on `batch` (the record says failed if that is refused)."""
+    svc = services()
+    records.create(svc.redis, svc.settings, job_id, kind, fields)
+    try:
+        queues.enqueue(svc.redis, svc.settings, queues.BATCH, func, payload, job_id, **options)
+    except Exception as exc:
+        records.set_status(svc.redis, svc.settings, job_id, "failed",
+                           error={"message": f"Not enqueued: {exc}", "code": "not_enqueued", "status": 503})
+        raise
+
+
+@blp.route("/transcriptions", methods=["POST"])
+@accepts_upload
+@blp.arguments(TranscriptionFileSchema, location="files")
+@blp.arguments(JobTranscriptionFormSchema, location="form", content_type="multipart/form-data")  # documented
+@blp.response(202, JobAcceptedSchema)
+def create_transcription(files, form):
+    """Submit an async transcription; follow it at /v1/jobs/{id}."""
+    job_id = queues.new_job_id("job")
+    payload, options, upload = prepare_transcription(form, files, job_id, "async")
+    duration_s = options["meta"]["duration_s"]
+    params = {"response_format": form["response_format"], "duration_s": duration_s,
+              "timestamp_granularities": form["timestamp_granularities"]}  # the defaults of /result
+    fields = {"model": payload["model"], "filename": upload.filename, "metadata": form["metadata"] or {},
+              "webhook_url": form["webhook_url"], "params": params}
+    _create_and_enqueue(job_id, "transcription", fields, queues.TRANSCRIPTION, payload,
+                        timeout_s=max(3600, int(duration_s * 3) + 600), **options)
+    return _accepted(job_id)
+
+
+@blp.route("/chat/completions", methods=["POST"])
+@blp.arguments(JobChatRequestSchema)
+@blp.response(202, JobAcceptedSchema)
+def create_chat(body):
+    """Submit an async chat completion; its result is a chat.completion object."""
+    info = resolve_model(body["model"], "text")
+    job_id = queues.new_job_id("job")
+    payload = {**sampling_payload(body, info.id), "messages": chat_messages(body), "job_id": job_id,
+               "request_id": g.request_id}
+    fields = {"model": info.id, "metadata": body["metadata"] or {}, "webhook_url": body["webhook_url"]}
+    meta = {"kind": "chat", "model": info.id, "request_id": g.request_id}
+    _create_and_enqueue(job_id, "chat", fields, queues.CHAT_COMPLETION, payload,
+                        description=f"chat {info.id} (async)", timeout_s=CHAT_TIMEOUT_S, meta=meta)
+    return _accepted(job_id)
+
+
+@blp.route("", methods=["GET"])
+@blp.arguments(JobListQuerySchema, location="query")
+@blp.response(200, JobListSchema)
+def list_jobs(query):
+    """List jobs, newest first; pass `next_cursor` back as `cursor` for the next page."""
+    svc = services()
+    try:
+        items, next_cursor = records.list_jobs(svc.redis, query["status"], query["limit"], query["cursor"])
+    except ValueError:
+        raise APIError(400, "Invalid value for 'cursor': pass back a next_cursor from this listing.",
+                       "invalid_value", "cursor") from None
+    data = [{**item, "links": _links(item["id"])} for item in items]
+    return {"object": "list", "data": data, "has_more": next_cursor is not None, "next_cursor": next_cursor}
+
+
+@blp.route("/<job_id>", methods=["GET"])
+@blp.response(200, JobSchema)
+def get_job(job_id: str):
+    """A job's record: status, progress, its place in the queue while queued, its result when done."""
+    svc = services()
+    record = _record_or_404(job_id)
+    extra = {"links": _links(job_id)}
+    if record["status"] == "queued":
+        extra["queue_position"] = records.queue_position(svc.redis, job_id)
+    if record["status"] == "succeeded":
+        extra["result"] = result_body(record, records.get_result(svc.redis, job_id))
+    return {**record, **extra}
+
+
+@blp.route("/<job_id>/result", methods=["GET"])
+@blp.arguments(ResultQuerySchema, location="query")
+def job_result(query, job_id: str):
+    """A finished job's result (transcriptions in any response format); 409 while it is not ready."""
+    svc = services()
+    record = _record_or_404(job_id)
+    status = record["status"]
+    if status in ("queued", "running"):
+        raise APIError(409, f"Job '{job_id}' is {status}; its result is not ready.", "not_ready",
+                       headers={"Retry-After": "2"}, job_status=status)
+    if status == "canceled":
+        raise APIError(409, f"Job '{job_id}' was canceled; it has no result.", "canceled", job_status=status)
+    if status == "failed":
+        error = record.get("error") or {}
+        raise APIError(int(error.get("status") or 500), error.get("message") or "The job failed.",
+                       error.get("code") or "job_failed", job_status=status)
+    result = records.get_result(svc.redis, job_id)
+    if result is None:
+        raise APIError(404, f"The result of job '{job_id}' has expired.", "result_expired")
+    if record["kind"] != "transcription":
+        return result_body(record, result)
+    params = (records.load(svc.redis, job_id) or {}).get("params") or {}
+    fmt = query["format"] or params.get("response_format") or "json"
+    return rendered(result, fmt, params.get("timestamp_granularities") or ("segment",))
+
+
+def _last_event_id(query: dict) -> int:
+    """Where to resume: the Last-Event-ID header (what browsers send), else ?last_event_id=."""
+    header = request.headers.get("Last-Event-ID", "").strip()
+    if not header:
+        return query["last_event_id"]
+    if not header.isdigit():
+        raise APIError(400, "Last-Event-ID must be a non-negative integer.", "invalid_value", "Last-Event-ID")
+    return int(header)
+
+
+@blp.route("/<job_id>/events", methods=["GET"])
+@blp.arguments(EventsQuerySchema, location="query")
+def job_events(query, job_id: str):
+    """Server-Sent Events of a job (progress, segment, delta, done, error), replayed from the log."""
+    _record_or_404(job_id)
+    after = _last_event_id(query)
+    stream = _event_stream(services(), job_id, after)
+    return Response(stream, mimetype="text/event-stream", headers=SSE_HEADERS)
+
+
+def _event_stream(svc: Services, job_id: str, after: int):
+    """Frame each event with its id and type; end after the terminal one. Leaving cancels nothing."""
+    last_write = time.monotonic()
+    for event in follow(svc.hub, job_id, after_id=after):
+        if event is IDLE:
+            if records.get(svc.redis, job_id) is None:  # expired while we waited: nothing more will come
+                return
+            if time.monotonic() - last_write >= KEEPALIVE_S:
+                last_write = time.monotonic()
+                yield sse_comment()
+            continue
+        if event["type"] == HEARTBEAT:
+            continue
+        last_write = time.monotonic()
+        yield sse_data(event["data"], event_id=event["id"], event=event["type"])
+
+
+@blp.route("/<job_id>", methods=["DELETE"])
+@blp.response(200, JobSchema)
+def cancel_job(job_id: str):
+    """Cancel a job: a queued one at once (200), a running one at its next chunk (202)."""
+    svc = services()
+    record = _record_or_404(job_id)
+    if record["status"] in records.TERMINAL:
+        raise APIError(409, f"Job '{job_id}' already {record['status']}.", "already_finished",
+                       job_status=record["status"])
+    request_cancel(svc.redis, job_id, svc.settings.result_ttl_s)  # flags it; drops it from its queue if queued
+    if record["status"] == "queued" and _rq_canceled(job_id):
+        return _canceled_now(record)
+    return {**records.get(svc.redis, job_id), "links": _links(job_id)}, 202
+
+
+def _rq_canceled(job_id: str) -> bool:
+    """Whether RQ holds the job as canceled (it never started)."""
+    job = fetch_job(services().redis, job_id)
+    return job is None or job.get_status() == "canceled"
+
+
+def _canceled_now(record: dict) -> dict:
+    """Finish a job canceled before it started: record, terminal event, spool, webhook."""
+    svc = services()
+    job_id = record["id"]
+    records.set_status(svc.redis, svc.settings, job_id, "canceled",
+                       error={"message": "Canceled by the client.", "code": "canceled", "status": 499})
+    svc.publisher.error(job_id, "The job was canceled.", "canceled", status=499)
+    discard_job(job_id)
+    if record.get("webhook_url"):
+        enqueue_delivery(svc.redis, svc.settings, job_id)
+    return {**records.get(svc.redis, job_id), "links": _links(job_id)}
