@@ -9,6 +9,7 @@ import click
 
 from jobs.settings import load_settings
 from mlxq.models_cli import models
+from mlxq.transcribe_cli import transcribe
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -44,9 +45,14 @@ def worker():
 @main.command("webhook-worker")
 def webhook_worker():
     """Run the plain RQ worker that delivers webhooks (no MLX)."""
-    argv = [sys.executable, "-m", "rq.cli", "worker", "--serializer", "rq.serializers.JSONSerializer",
-            "--url", load_settings().redis_url, "webhooks"]
+    argv = webhook_worker_argv(load_settings().redis_url)
     os.execv(argv[0], argv)
+
+
+def webhook_worker_argv(redis_url: str) -> list[str]:
+    """A plain RQ worker on `webhooks`, with the scheduler that runs its retries' backoff."""
+    return [sys.executable, "-m", "rq.cli", "worker", "--with-scheduler", "--serializer",
+            "rq.serializers.JSONSerializer", "--url", redis_url, "webhooks"]
 
 
 @main.command()
@@ -62,8 +68,7 @@ def up(host, port, web_workers):
     redis_url = stack.ensure_redis(settings, settings.models_dir.parent / "redis")
     env = {"REDIS_URL": redis_url, "MLXQ_REDIS_URL": redis_url}
     stack.start("worker", [sys.executable, "-m", "workers.main"], env)
-    stack.start("webhooks", [sys.executable, "-m", "rq.cli", "worker", "--serializer",
-                             "rq.serializers.JSONSerializer", "--url", redis_url, "webhooks"], env)
+    stack.start("webhooks", webhook_worker_argv(redis_url), env)
     stack.start("web", gunicorn_argv(host, port, web_workers), env)
     base = f"http://{host}:{port}"
     key = f' -H "Authorization: Bearer {settings.api_keys[0]}"' if settings.api_keys else ""
@@ -80,6 +85,7 @@ def up(host, port, web_workers):
 
 
 main.add_command(models)
+main.add_command(transcribe)
 
 if __name__ == "__main__":
     main()

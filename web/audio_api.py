@@ -13,9 +13,8 @@ from jobs.formats import TEXT_MIMETYPE, render
 from web.audio_check import check_audio
 from web.audio_schemas import TranscriptionFileSchema, TranscriptionFormSchema
 from web.errors import APIError
-from web.jobrun import stream_response, wait_for_result
-from web.openai_api import _stream_error, resolve_model
-from web.services import services
+from web.jobrun import stream_response, submit, wait_for_result
+from web.openai_api import resolve_model, stream_error
 from web.sse import sse_data
 from web.uploads import Upload, accepts_upload, discard, keep, spool
 
@@ -51,9 +50,7 @@ def prepare_transcription(form: dict, files: dict, job_id: str, mode: str) -> tu
 
 def _submit_sync(job_id: str, payload: dict, options: dict) -> None:
     """Enqueue the transcription on `interactive` under the id its spool directory is named after."""
-    svc = services()
-    queues.enqueue(svc.redis, svc.settings, queues.INTERACTIVE, queues.TRANSCRIPTION, payload, job_id,
-                   timeout_s=int(svc.settings.sync_timeout_s) + 60, **options)
+    submit(queues.TRANSCRIPTION, payload, "transcr", options["description"], job_id=job_id, meta=options["meta"])
 
 
 def rendered(result: dict, fmt: str, granularities, text_mimetype: str | None = None) -> Response:
@@ -74,7 +71,7 @@ def transcriptions(files, form):
     payload, options, upload = prepare_transcription(form, files, job_id, "sync")
     _submit_sync(job_id, payload, options)
     if form["stream"]:
-        response = stream_response(job_id, _text_deltas(), _stream_error(g.request_id), trailer=None)
+        response = stream_response(job_id, _text_deltas(), stream_error(g.request_id), trailer=None)
         response.call_on_close(functools.partial(discard, upload.directory))
         return response
     result = _wait_then_discard(job_id, upload)

@@ -22,13 +22,14 @@ KEEPALIVE_S = 5.0
 """Seconds between SSE comments while nothing happens (also how a gone client is noticed)."""
 
 
-def submit(func: str, payload: dict, kind: str, description: str, queue: str = queues.INTERACTIVE) -> str:
-    """Enqueue `func(payload)` with a fresh explicit id and return that id."""
+def submit(func: str, payload: dict, kind: str, description: str, queue: str = queues.INTERACTIVE,
+           job_id: str | None = None, meta: dict | None = None) -> str:
+    """Enqueue `func(payload)` for a synchronous call under an explicit id (fresh unless given); return it."""
     svc = services()
-    job_id = queues.new_job_id(kind)
+    job_id = job_id or queues.new_job_id(kind)
     payload = {**payload, "request_id": g.request_id}
     queues.enqueue(svc.redis, svc.settings, queue, func, payload, job_id, description=description,
-                   timeout_s=int(svc.settings.sync_timeout_s) + 60)
+                   timeout_s=int(svc.settings.sync_timeout_s) + 60, meta=meta)
     return job_id
 
 

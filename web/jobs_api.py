@@ -26,7 +26,7 @@ from web.audio_schemas import (
 )
 from web.errors import APIError
 from web.jobrun import KEEPALIVE_S
-from web.openai_api import resolve_model, sampling_payload
+from web.openai_api import chat_messages, resolve_model, sampling_payload
 from web.services import Services, services
 from web.sse import SSE_HEADERS, sse_comment, sse_data
 from web.uploads import accepts_upload, discard_job
@@ -70,12 +70,6 @@ def _reconcile_chat(record: dict) -> dict:
         records.set_status(svc.redis, svc.settings, record["id"], "running")
         return records.get(svc.redis, record["id"])
     return record
-
-
-def chat_messages(body: dict) -> list[dict]:
-    """The worker's message list (developer messages become system ones, as in /v1/chat/completions)."""
-    return [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]}
-            for m in body["messages"]]
 
 
 def result_body(record: dict, result: dict | None):

@@ -54,7 +54,7 @@ def sampling_payload(body: dict, model_id: str) -> dict:
     }
 
 
-def _stream_error(request_id: str):
+def stream_error(request_id: str):
     """Frame a worker error as an OpenAI-style error chunk (the openai client raises on it)."""
 
     def frame(data: dict) -> str:
@@ -66,6 +66,12 @@ def _stream_error(request_id: str):
     return frame
 
 
+def chat_messages(body: dict) -> list[dict]:
+    """The worker's message list: developer messages become system ones (chat templates know those)."""
+    return [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]}
+            for m in body["messages"]]
+
+
 def _usage_wanted(body: dict) -> bool:
     return bool((body.get("stream_options") or {}).get("include_usage"))
 
@@ -75,14 +81,12 @@ def _usage_wanted(body: dict) -> bool:
 def chat_completions(body):
     """Create a chat completion (plain JSON, or SSE chunks when `stream` is true)."""
     info = resolve_model(body["model"], "text")
-    messages = [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]}
-                for m in body["messages"]]
-    payload = {**sampling_payload(body, info.id), "messages": messages}
+    payload = {**sampling_payload(body, info.id), "messages": chat_messages(body)}
     job_id = submit(queues.CHAT_COMPLETION, payload, "chatcmpl", f"chat {info.id}")
     created = int(time.time())
     if body["stream"]:
         return stream_response(job_id, _chat_chunks(job_id, info.id, created, _usage_wanted(body)),
-                               _stream_error(g.request_id))
+                               stream_error(g.request_id))
     done = wait_for_result(job_id)
     choices = [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
                 "logprobs": None, "finish_reason": c["finish_reason"]} for c in done["choices"]]
@@ -130,7 +134,7 @@ def completions(body):
     created = int(time.time())
     if body["stream"]:
         return stream_response(job_id, _completion_chunks(job_id, info.id, created, _usage_wanted(body)),
-                               _stream_error(g.request_id))
+                               stream_error(g.request_id))
     done = wait_for_result(job_id)
     choices = [{"index": c["index"], "text": c["text"], "logprobs": None, "finish_reason": c["finish_reason"]}
                for c in done["choices"]]
