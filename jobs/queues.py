@@ -25,7 +25,7 @@ WORKER_QUEUES = (INTERACTIVE, BATCH)
 # Job functions by dotted name: web enqueues by name so it never imports the worker (or MLX).
 CHAT_COMPLETION = "workers.tasks.chat_completion"
 TEXT_COMPLETION = "workers.tasks.text_completion"
-TRANSCRIPTION = "workers.tasks.transcription"
+TRANSCRIPTION = "workers.speech_tasks.transcribe"
 
 
 class QueueFull(Exception):

@@ -1,0 +1,261 @@
+"""The worker: its job functions under a real RQ SimpleWorker, and the real `python -m workers.main` process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+from rq import SimpleWorker
+from rq.job import JobStatus
+from rq.serializers import JSONSerializer
+
+from jobs import keys
+from jobs.events import read_log
+from jobs.queues import BATCH, CHAT_COMPLETION, INTERACTIVE, TEXT_COMPLETION, enqueue, get_queue, new_job_id
+from jobs.settings import load_settings
+from jobs.status import fetch_job
+from tests.conftest import REPO, wait_until
+from workers import tasks
+from workers.engine import Runtime
+from workers.main import host_identity, worker_is_dead
+
+MODEL = "smollm2-135m"
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+LONG = [{"role": "user", "content": "Write a very long story about a dragon who learns to bake bread."}]
+LOGS = REPO / ".pytest_cache" / "worker-logs"
+
+
+def chat_payload(messages, max_tokens=40, **extra) -> dict:
+    """A chat payload as the web tier enqueues it (already validated)."""
+    return {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "top_p": 1.0,
+            "top_k": 0, "min_p": 0.0, "seed": None, "stop": [], "repetition_penalty": None,
+            "request_id": uuid.uuid4().hex, **extra}
+
+
+def submit(conn, settings, payload, func=CHAT_COMPLETION, queue=INTERACTIVE) -> str:
+    """Enqueue a job the way the web tier does; return its id."""
+    job_id = new_job_id("chatcmpl")
+    enqueue(conn, settings, queue, func, payload, job_id)
+    return job_id
+
+
+def terminal(conn, job_id, timeout: float) -> dict:
+    """Wait (bounded) for the job's terminal event and return it."""
+    def ended():
+        return next((e for e in read_log(conn, job_id) if e["type"] in ("done", "error")), None)
+    return wait_until(ended, timeout, interval=0.1, what=f"the terminal event of {job_id}")
+
+
+def deltas(conn, job_id) -> str:
+    """The text of the job's delta events, joined."""
+    return "".join(e["data"]["text"] for e in read_log(conn, job_id) if e["type"] == "delta")
+
+
+@pytest.fixture(scope="module")
+def demo_model(models_dir):
+    """Fail (not skip) when the demo model is missing."""
+    if not (models_dir / MODEL / "config.json").exists():
+        pytest.fail(f"demo model missing in {models_dir}: run `mlxq models pull-demo` first")
+    return models_dir
+
+
+# --- the job functions, in this process, under a real SimpleWorker in burst mode ---------------------
+
+@pytest.fixture(scope="module")
+def runtime(demo_model):
+    """One engine shared by the in-process job tests."""
+    rt = Runtime.create(load_settings({"models_dir": demo_model}))
+    tasks.set_runtime(rt)
+    yield rt
+    tasks.set_runtime(None)
+    rt.engine.stop()
+
+
+def burst(conn):
+    """Run every queued job with a real SimpleWorker, then return."""
+    queues = [get_queue(q, conn) for q in (INTERACTIVE, BATCH)]
+    SimpleWorker(queues, connection=conn, serializer=JSONSerializer).work(burst=True)
+
+
+def test_chat_job_publishes_deltas_then_done(runtime, redis_conn, settings):
+    job_id = submit(redis_conn, settings, chat_payload(FRANCE))
+    burst(redis_conn)
+    done = terminal(redis_conn, job_id, 5)
+    assert done["type"] == "done", done
+    data = done["data"]
+    assert data["model"] == MODEL and isinstance(data["created"], int)
+    [choice] = data["choices"]
+    assert choice["index"] == 0 and choice["finish_reason"] == "stop" and "Paris" in choice["text"]
+    assert deltas(redis_conn, job_id) == choice["text"]
+    usage = data["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"] > 0
+    job = fetch_job(redis_conn, job_id)
+    assert job.get_status() == JobStatus.FINISHED and job.return_value() == data
+
+
+def test_text_completion_job_gives_one_choice_per_prompt(runtime, redis_conn, settings):
+    payload = {**chat_payload(None, max_tokens=3), "prompts": ["The sky is", "One, two,"]}
+    del payload["messages"]
+    job_id = submit(redis_conn, settings, payload, func=TEXT_COMPLETION)
+    burst(redis_conn)
+    data = terminal(redis_conn, job_id, 5)["data"]
+    assert [c["index"] for c in data["choices"]] == [0, 1]
+    assert all(c["finish_reason"] == "length" for c in data["choices"])
+    assert data["usage"]["completion_tokens"] == 6
+    by_index = {i: "".join(e["data"]["text"] for e in read_log(redis_conn, job_id)
+                           if e["type"] == "delta" and e["data"]["index"] == i) for i in (0, 1)}
+    assert by_index == {c["index"]: c["text"] for c in data["choices"]}
+
+
+@pytest.mark.parametrize("model, messages, status, code", [
+    ("no-such-model", FRANCE, 404, "model_not_found"),
+    ("whisper-tiny.en", FRANCE, 400, "invalid_model"),
+    (MODEL, [{"role": "user", "content": "word " * 9000}], 400, "context_length_exceeded"),
+])
+def test_failing_jobs_publish_an_error_and_fail(runtime, redis_conn, settings, model, messages, status, code):
+    if model == "whisper-tiny.en" and not (settings.models_dir / model).exists():
+        pytest.fail("demo speech model missing: run `mlxq models pull-demo` first")
+    job_id = submit(redis_conn, settings, chat_payload(messages, model=model))
+    burst(redis_conn)
+    error = terminal(redis_conn, job_id, 5)
+    assert error["type"] == "error"
+    assert error["data"]["status"] == status and error["data"]["code"] == code
+    assert "Traceback" not in error["data"]["message"]
+    assert fetch_job(redis_conn, job_id).get_status() == JobStatus.FAILED
+
+
+def test_canceled_job_stops_with_a_canceled_error(runtime, redis_conn, settings):
+    job_id = submit(redis_conn, settings, chat_payload(LONG, max_tokens=500))
+    redis_conn.set(keys.cancel_flag(job_id), 1)  # canceled before the worker got to it
+    burst(redis_conn)
+    error = terminal(redis_conn, job_id, 5)
+    assert (error["data"]["code"], error["data"]["status"]) == ("canceled", 499)
+    assert deltas(redis_conn, job_id) == ""
+
+
+def test_worker_is_dead_when_its_process_is_gone(redis_conn):
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(10)
+    redis_conn.set(keys.worker_alive("w-gone"), json.dumps({"host": host_identity(), "pid": gone.pid}), ex=60)
+    redis_conn.set(keys.worker_alive("w-here"), json.dumps({"host": host_identity(), "pid": os.getppid()}), ex=60)
+    redis_conn.set(keys.worker_alive("w-elsewhere"), json.dumps({"host": "other|pid:[1]", "pid": gone.pid}), ex=60)
+    assert worker_is_dead(redis_conn, "w-gone") and worker_is_dead(redis_conn, "w-expired")
+    assert not worker_is_dead(redis_conn, "w-here") and not worker_is_dead(redis_conn, "w-elsewhere")
+
+
+# --- the real worker process --------------------------------------------------------------------------
+
+class WorkerProcess:
+    """`python -m workers.main` with a known name, its output in a log file."""
+
+    def __init__(self, redis_url: str, models_dir):
+        self.name = f"test-worker-{uuid.uuid4().hex[:8]}"
+        self.env = {**os.environ, "REDIS_URL": redis_url, "MLXQ_REDIS_URL": redis_url,
+                    "MLXQ_MODELS_DIR": str(models_dir), "PYTHONUNBUFFERED": "1"}
+        LOGS.mkdir(parents=True, exist_ok=True)
+        self.log_path = LOGS / f"{self.name}.log"
+        self.process: subprocess.Popen | None = None
+
+    def start(self, conn, timeout: float = 180) -> "WorkerProcess":
+        """Start it and wait until its liveness key appears (after the default model is warm)."""
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen([sys.executable, "-m", "workers.main", "--name", self.name], cwd=REPO,
+                                            env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+        wait_until(lambda: self._check_running() and conn.exists(self.alive_key), timeout, interval=0.1,
+                   what=f"worker {self.name} to come alive")
+        return self
+
+    @property
+    def alive_key(self) -> str:
+        """The worker's liveness key."""
+        return keys.worker_alive(self.name)
+
+    def _check_running(self) -> bool:
+        if self.process.poll() is not None:
+            raise AssertionError(f"worker exited with {self.process.returncode}:\n{self.tail()}")
+        return True
+
+    def stop(self) -> None:
+        """Make sure the process is gone (tests end it themselves; this is the safety net)."""
+        if self.process and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
+
+    def tail(self, n: int = 40) -> str:
+        """The end of its log."""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+
+@pytest.fixture()
+def spawn(redis_url, demo_model):
+    """Start worker processes; every one is killed at the end of the test."""
+    started = []
+
+    def start(conn) -> WorkerProcess:
+        worker = WorkerProcess(redis_url, demo_model)
+        started.append(worker)
+        return worker.start(conn)
+    yield start
+    for worker in started:
+        worker.stop()
+
+
+def first_delta(conn, job_id, timeout: float = 60) -> None:
+    """Wait (bounded) until the job streams its first delta: it is running."""
+    wait_until(lambda: any(e["type"] == "delta" for e in read_log(conn, job_id)), timeout, interval=0.05,
+               what=f"the first delta of {job_id}")
+
+
+def test_worker_process_answers_a_chat_job(spawn, redis_conn, settings):
+    worker = spawn(redis_conn)
+    job_id = submit(redis_conn, settings, chat_payload(FRANCE))
+    done = terminal(redis_conn, job_id, 60)
+    assert done["type"] == "done", worker.tail()
+    assert "Paris" in done["data"]["choices"][0]["text"]
+    assert deltas(redis_conn, job_id) == done["data"]["choices"][0]["text"]
+    log = worker.log_path.read_text()
+    assert f"worker {worker.name} on queues interactive,batch" in log and "BLAS" in log and "budget" in log
+
+
+def test_sigterm_lets_the_running_job_finish(spawn, redis_conn, settings):
+    worker = spawn(redis_conn)
+    job_id = submit(redis_conn, settings, chat_payload(LONG, max_tokens=30))
+    first_delta(redis_conn, job_id)
+    worker.process.send_signal(signal.SIGTERM)
+    assert worker.process.wait(120) == 0, worker.tail()
+    done = terminal(redis_conn, job_id, 1)
+    assert done["type"] == "done" and done["data"]["choices"][0]["finish_reason"] == "length"
+    assert fetch_job(redis_conn, job_id).get_status() == JobStatus.FINISHED
+    assert not redis_conn.exists(worker.alive_key), "a clean exit removes the liveness key"
+
+
+def test_kill9_mid_job_then_restart_fails_the_job_with_worker_died(spawn, redis_conn, settings):
+    dead_after = settings.worker_dead_after_s
+    worker = spawn(redis_conn)
+    job_id = submit(redis_conn, settings, chat_payload(LONG, max_tokens=2000))
+    first_delta(redis_conn, job_id)
+    # While the job runs, the heartbeat thread pushes its started-registry expiry forward.
+    registry_key = get_queue(INTERACTIVE, redis_conn).started_job_registry.key
+    expiry = lambda: max(score for _, score in redis_conn.zrange(registry_key, 0, -1, withscores=True))  # noqa: E731
+    before = expiry()
+    wait_until(lambda: expiry() > before, 4 * settings.worker_heartbeat_s + 2, interval=0.1,
+               what="the running job's RQ heartbeat")
+    os.killpg(worker.process.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    worker.process.wait(10)
+    assert 0 < redis_conn.pttl(worker.alive_key) <= dead_after * 1000
+    spawn(redis_conn)  # the restarted worker fails what the dead one was running
+    error = terminal(redis_conn, job_id, 30)
+    assert error["type"] == "error" and error["data"]["code"] == "worker_died" and error["data"]["status"] == 500
+    assert fetch_job(redis_conn, job_id).get_status() == JobStatus.FAILED
+    assert job_id not in get_queue(INTERACTIVE, redis_conn).started_job_registry.get_job_ids(cleanup=False)
+    remaining = max(0.0, killed_at + dead_after + 0.5 - time.monotonic())
+    wait_until(lambda: not redis_conn.exists(worker.alive_key), remaining + 0.01, interval=0.05,
+               what="the dead worker's liveness key to expire")

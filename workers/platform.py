@@ -1,0 +1,253 @@
+"""Pick the fastest way to run MLX on this machine, by measurement: BLAS library and model dtype.
+
+On Linux CPUs the `mlx[cpu]` wheel links a reference BLAS that is ~30x slower than OpenBLAS for the
+matmuls prompt processing is made of. We time a matmul in a subprocess without and with each
+installed OpenBLAS preloaded, cache the winner per machine and MLX version, and the worker re-execs
+itself with it in LD_PRELOAD (a BLAS cannot be swapped once libmlx is loaded).
+
+On CPU, quantized matmuls never reach BLAS, so with a fast BLAS small models run faster dequantized
+to float32 (see `float32_max_mb`). On Metal and CUDA models are kept exactly as stored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform as _platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+BLAS_ENV = "MLXQ_BLAS"
+"""auto (default: measure, cached), none (never preload) or the path of a BLAS library to preload."""
+
+FLOAT32_MAX_ENV = "MLXQ_CPU_FLOAT32_MAX_MB"
+"""On CPU with a fast BLAS, models whose float32 weights are at most this many MiB run in float32."""
+
+DEFAULT_FLOAT32_MAX_MB = 1024
+"""Measured default (see the module docstring and docs): 1 GiB of float32 is a ~250M-parameter model."""
+
+_REEXEC_MARK = "MLXQ_BLAS_REEXEC"
+_SPEEDUP_NEEDED = 0.8  # a candidate must beat the bundled BLAS by 20% to be worth a re-exec
+
+_MULTIARCH = f"{_platform.machine()}-linux-gnu"
+BLAS_CANDIDATES = (
+    f"/usr/lib/{_MULTIARCH}/openblas-pthread/libblas.so.3",  # Debian/Ubuntu libopenblas0-pthread
+    f"/usr/lib/{_MULTIARCH}/openblas-pthread/libopenblas.so.0",
+    f"/usr/lib/{_MULTIARCH}/libopenblas.so.0",  # Debian/Ubuntu alternatives
+    f"/usr/lib/{_MULTIARCH}/openblas-openmp/libblas.so.3",
+    "/usr/lib64/libopenblasp.so.0",  # Fedora/RHEL openblas-threads
+    "/usr/lib64/libopenblas.so.0",
+    "/usr/lib/libopenblas.so.0",  # Arch, Alpine
+)
+"""Where distributions install OpenBLAS; the ones present are timed."""
+
+# Runs in a fresh interpreter so that LD_PRELOAD takes effect; prints the best of 5 in ms.
+_MATMUL_PROBE = """
+import time, mlx.core as mx
+a = mx.random.normal((1500, 384)); b = mx.random.normal((384, 1536)); mx.eval(a, b, a @ b)
+best = 1e9
+for _ in range(5):
+    t = time.perf_counter(); mx.eval(a @ b); best = min(best, time.perf_counter() - t)
+print(best * 1000)
+"""
+
+
+@dataclass(frozen=True)
+class BlasChoice:
+    """The BLAS library to preload (None: the one bundled with MLX) and why."""
+
+    path: str | None
+    reason: str
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """One line for the log: the choice, the reason and the timings."""
+        timings = ", ".join(f"{Path(k).name if k != 'bundled' else k}={v:.1f}ms" for k, v in self.timings_ms.items())
+        state = "" if self.path is None or blas_loaded(self.path) else " NOT LOADED (LD_PRELOAD ignored?)"
+        return f"{self.path or 'bundled'}{state} ({self.reason}{'; ' + timings if timings else ''})"
+
+
+@dataclass(frozen=True)
+class PlatformInfo:
+    """What the worker runs on and the policy that follows from it."""
+
+    backend: str  # "metal" | "cuda" | "cpu"
+    blas: BlasChoice
+    float32_max_bytes: int
+
+    def use_float32(self, float32_bytes: int) -> bool:
+        """Whether a model with this many bytes of float32 weights should be dequantized/upcast."""
+        fast_blas = self.blas.path is not None and blas_loaded(self.blas.path)
+        return self.backend == "cpu" and fast_blas and float32_bytes <= self.float32_max_bytes
+
+
+def backend() -> str:
+    """The device MLX computes on: "metal", "cuda" or "cpu"."""
+    import mlx.core as mx
+
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def cache_path() -> Path:
+    """The JSON file caching BLAS measurements (under ~/.cache/mlxq, like the model store)."""
+    home = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return home / "mlxq" / "platform.json"
+
+
+def installed_candidates() -> list[str]:
+    """The BLAS candidates present here, one per distinct library file."""
+    seen, found = set(), []
+    for path in BLAS_CANDIDATES:
+        real = os.path.realpath(path)
+        if os.path.exists(real) and real not in seen:
+            seen.add(real)
+            found.append(path)
+    return found
+
+
+def machine_key(candidates: list[str]) -> str:
+    """Cache key: CPU model, core count, MLX version and the candidate libraries' real files."""
+    libs = ",".join(os.path.realpath(c) for c in candidates)
+    return f"{_cpu_model()}|{os.cpu_count()}|{_platform.machine()}|mlx-{_mlx_version()}|{libs}"
+
+
+def _cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux), else platform.processor()."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return _platform.processor() or "unknown-cpu"
+
+
+def _mlx_version() -> str:
+    """MLX's version, read without importing it."""
+    try:
+        return metadata.version("mlx")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def time_matmul(preload: str | None, timeout_s: float = 120) -> float | None:
+    """Milliseconds for a 1500x384 @ 384x1536 float32 matmul with `preload` in LD_PRELOAD (None if it fails)."""
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    if preload:
+        env["LD_PRELOAD"] = preload
+    try:
+        out = subprocess.run([sys.executable, "-c", _MATMUL_PROBE], env=env, capture_output=True, text=True,
+                             timeout=timeout_s, check=True)
+        return float(out.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError):
+        return None  # a library that crashes or cannot load MLX simply loses
+
+
+def measure_blas(candidates: list[str]) -> BlasChoice:
+    """Time the bundled BLAS and each candidate; pick the fastest if it clearly wins."""
+    timings = {"bundled": time_matmul(None)}
+    timings.update({c: time_matmul(c) for c in candidates})
+    timings = {k: round(v, 2) for k, v in timings.items() if v is not None}
+    bundled = timings.get("bundled", float("inf"))
+    best = min((c for c in candidates if c in timings), key=timings.get, default=None)
+    if best is None or timings[best] > bundled * _SPEEDUP_NEEDED:
+        return BlasChoice(None, "measured: no faster BLAS", timings)
+    return BlasChoice(best, "measured", timings)
+
+
+def cached_or_measured_blas(cache: Path) -> BlasChoice:
+    """The cached decision for this machine, measuring (and caching) it the first time."""
+    candidates = installed_candidates()
+    if not candidates:
+        return BlasChoice(None, "no OpenBLAS installed")
+    key = machine_key(candidates)
+    entries = _read_cache(cache)
+    if key in entries:
+        hit = entries[key]
+        return BlasChoice(hit["path"], "cached measurement", hit.get("timings_ms", {}))
+    log.info("timing a matmul with the bundled BLAS and with %s (once per machine)", ", ".join(candidates))
+    choice = measure_blas(candidates)
+    entries[key] = {"path": choice.path, "timings_ms": choice.timings_ms, "measured_at": int(time.time())}
+    _write_cache(cache, entries)
+    return choice
+
+
+def _read_cache(cache: Path) -> dict:
+    """The cache file's entries (empty when missing or unreadable)."""
+    try:
+        data = json.loads(cache.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(cache: Path, entries: dict) -> None:
+    """Write the cache atomically (a concurrent reader never sees half a file)."""
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(entries, indent=1))
+    os.replace(tmp, cache)
+
+
+def choose_blas(environ=None, device: str | None = None) -> BlasChoice:
+    """Decide which BLAS to preload, honoring MLXQ_BLAS=auto|none|<path>."""
+    environ = os.environ if environ is None else environ
+    wanted = environ.get(BLAS_ENV, "auto").strip() or "auto"
+    if sys.platform != "linux" or (device or backend()) != "cpu":
+        return BlasChoice(None, "not a Linux CPU: MLX's own kernels are used")
+    if wanted == "none":
+        return BlasChoice(None, f"{BLAS_ENV}=none")
+    if wanted != "auto":
+        if not os.path.exists(wanted):
+            raise FileNotFoundError(f"{BLAS_ENV}={wanted}: no such file")
+        return BlasChoice(wanted, f"{BLAS_ENV} names it")
+    return cached_or_measured_blas(cache_path())
+
+
+def blas_loaded(path: str) -> bool:
+    """Whether the library at `path` is mapped into this process (so the preload took effect)."""
+    real = os.path.realpath(path)
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+    return real in maps or path in maps
+
+
+def reexec_with_blas(choice: BlasChoice, argv: list[str]) -> None:
+    """Replace this process with `python -m workers.main argv` with the chosen BLAS preloaded.
+
+    Returns (does nothing) when no preload is wanted, it is already active, or a re-exec already
+    happened (a loader that ignores LD_PRELOAD must not make us loop).
+    """
+    if choice.path is None or blas_loaded(choice.path) or os.environ.get(_REEXEC_MARK):
+        return
+    preload = ":".join(p for p in (choice.path, os.environ.get("LD_PRELOAD", "")) if p)
+    env = {**os.environ, "LD_PRELOAD": preload, _REEXEC_MARK: "1"}
+    log.info("re-executing with LD_PRELOAD=%s", preload)
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "workers.main", *argv], env)
+
+
+def float32_max_bytes(environ=None) -> int:
+    """The float32 size limit for upcasting on CPU (MLXQ_CPU_FLOAT32_MAX_MB, default measured)."""
+    environ = os.environ if environ is None else environ
+    return int(float(environ.get(FLOAT32_MAX_ENV, DEFAULT_FLOAT32_MAX_MB)) * 2**20)
+
+
+def detect(environ=None) -> PlatformInfo:
+    """The platform as this process runs it (BLAS from the environment, cached measurement)."""
+    device = backend()
+    return PlatformInfo(device, choose_blas(environ, device), float32_max_bytes(environ))

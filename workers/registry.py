@@ -1,0 +1,221 @@
+"""Resident models: loaded once, kept between jobs, evicted least-recently-used within a memory budget.
+
+Only the engine thread touches the registry (it owns MLX), so it needs no lock.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import math
+import os
+import struct
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jobs.store import ModelInfo
+from workers.platform import PlatformInfo
+
+log = logging.getLogger(__name__)
+
+BUDGET_FRACTION = 0.7
+"""Share of RAM (CPU) or of the GPU's recommended working set used when no budget is configured."""
+
+Loader = Callable[[Path, bool], tuple[Any, Any]]
+"""A backend's load function: (model directory, upcast to float32?) -> (model, tokenizer/processor)."""
+
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2,
+                "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+class ModelTooLarge(MemoryError):
+    """The model cannot fit the worker's memory budget even with every other model evicted (HTTP 507)."""
+
+
+@dataclass
+class Resident:
+    """A loaded model and what it costs."""
+
+    info: ModelInfo
+    model: Any
+    processor: Any  # the tokenizer (text), processor (vision) or None
+    nbytes: int
+    float32: bool
+    load_s: float
+
+
+@dataclass(frozen=True)
+class WeightStats:
+    """Sizes read from safetensors headers, without loading any weight."""
+
+    stored_bytes: int
+    float32_bytes: int  # the size once dequantized/upcast to float32
+
+
+def read_safetensors_header(path: Path) -> dict:
+    """The JSON header of a .safetensors file (tensor name -> dtype, shape, offsets)."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(length))
+
+
+def _quant_bits(quantization: dict, module: str) -> int | None:
+    """Bits of a quantized module from config.json's quantization block (per-module overrides first)."""
+    override = quantization.get(module)
+    if isinstance(override, dict) and "bits" in override:
+        return int(override["bits"])
+    return int(quantization["bits"]) if "bits" in quantization else None
+
+
+def _tensor_float32_bytes(name: str, meta: dict, names: set[str], quantization: dict) -> int:
+    """The float32 size of one tensor; quantization scales/biases vanish once dequantized."""
+    module, _, leaf = name.rpartition(".")
+    quantized = f"{module}.scales" in names
+    if quantized and leaf in ("scales", "biases"):
+        return 0
+    elements = math.prod(meta["shape"])
+    bits = _quant_bits(quantization, module) if quantized and meta["dtype"] == "U32" else None
+    return elements * (32 // bits if bits else 1) * 4
+
+
+def weight_stats(model_dir: Path) -> WeightStats:
+    """Stored and float32 sizes of the model's weights (plain file sizes when headers can't be read)."""
+    config = _read_config(model_dir)
+    quantization = config.get("quantization") or config.get("quantization_config") or {}
+    stored = f32 = 0
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
+        header = {k: v for k, v in read_safetensors_header(file).items() if k != "__metadata__"}
+        names = set(header)
+        stored += sum(v["data_offsets"][1] - v["data_offsets"][0] for v in header.values())
+        f32 += sum(_tensor_float32_bytes(k, v, names, quantization) for k, v in header.items())
+    if stored == 0:  # npz or unknown format: assume the files are the weights
+        stored = f32 = sum(p.stat().st_size for p in Path(model_dir).glob("*.npz"))
+    return WeightStats(stored, f32)
+
+
+def _read_config(model_dir: Path) -> dict:
+    """config.json of a model directory (empty when missing)."""
+    try:
+        return json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def total_memory_bytes(device: str) -> int:
+    """Memory models may use: the GPU's recommended working set, else physical RAM."""
+    if device in ("metal", "cuda"):
+        import mlx.core as mx
+
+        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+        for key in ("max_recommended_working_set_size", "total_memory", "memory_size"):
+            if isinstance(info.get(key), int) and info[key] > 0:
+                return info[key]
+    return physical_ram_bytes()
+
+
+def physical_ram_bytes() -> int:
+    """Physical RAM from /proc/meminfo (Linux), else sysconf."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def memory_budget_bytes(memory_budget_mb: int, device: str) -> int:
+    """settings.memory_budget_mb in bytes, or 70% of the device's memory when it is 0."""
+    if memory_budget_mb > 0:
+        return memory_budget_mb * 2**20
+    return int(total_memory_bytes(device) * BUDGET_FRACTION)
+
+
+def params_nbytes(model) -> int:
+    """Bytes held by a loaded model's parameters."""
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+class ModelRegistry:
+    """LRU cache of loaded models within a byte budget; one loader per model kind."""
+
+    def __init__(self, budget_bytes: int, platform: PlatformInfo, loaders: dict[str, Loader]):
+        self.budget_bytes = budget_bytes
+        self.platform = platform
+        self.loaders = loaders
+        self._models: OrderedDict[str, Resident] = OrderedDict()  # least recently used first
+
+    def get(self, info: ModelInfo) -> Resident:
+        """Return the model resident, loading it (and evicting others) if needed."""
+        key = str(Path(info.path).resolve())
+        if key in self._models:
+            self._models.move_to_end(key)
+            return self._models[key]
+        resident = self._load(info)
+        self._models[key] = resident
+        return resident
+
+    def plan(self, info: ModelInfo) -> tuple[int, bool]:
+        """(estimated resident bytes, float32?) for a model, from its files only."""
+        stats = weight_stats(info.path)
+        # float32 is a speed choice only: never let it turn a model that fits into one that does not.
+        float32 = self.platform.use_float32(stats.float32_bytes) and stats.float32_bytes <= self.budget_bytes
+        return (stats.float32_bytes if float32 else stats.stored_bytes), float32
+
+    def _load(self, info: ModelInfo) -> Resident:
+        """Admit, make room for and load a model; log how long it took."""
+        loader = self.loaders.get(info.kind)
+        if loader is None:
+            raise ValueError(f"no backend loads {info.kind!r} models")
+        needed, float32 = self.plan(info)
+        if needed > self.budget_bytes:
+            raise ModelTooLarge(f"model {info.id!r} needs about {needed / 2**20:.0f} MiB but the worker's "
+                                f"memory budget is {self.budget_bytes / 2**20:.0f} MiB")
+        self._make_room(needed)
+        start = time.perf_counter()
+        model, processor = loader(Path(info.path), float32)
+        resident = Resident(info, model, processor, params_nbytes(model), float32, time.perf_counter() - start)
+        log.info("loaded %s (%s) in %.2fs: %.0f MiB%s", info.id, info.path, resident.load_s,
+                 resident.nbytes / 2**20, ", dequantized to float32" if float32 else "")
+        return resident
+
+    def _make_room(self, needed: int) -> None:
+        """Evict least-recently-used models until `needed` more bytes fit the budget."""
+        while self._models and self.used_bytes() + needed > self.budget_bytes:
+            key, victim = self._models.popitem(last=False)
+            log.info("evicting %s (%.0f MiB) to make room", victim.info.id, victim.nbytes / 2**20)
+            del victim
+            _free_memory()
+
+    def unload(self, model_path: str | Path) -> bool:
+        """Drop a resident model (by directory); True if it was loaded."""
+        victim = self._models.pop(str(Path(model_path).resolve()), None)
+        if victim is None:
+            return False
+        del victim
+        _free_memory()
+        return True
+
+    def used_bytes(self) -> int:
+        """Bytes held by resident models."""
+        return sum(r.nbytes for r in self._models.values())
+
+    def resident(self) -> list[dict]:
+        """Resident models, least recently used first (for logs and admin views)."""
+        return [{"id": r.info.id, "path": str(r.info.path), "bytes": r.nbytes, "float32": r.float32,
+                 "load_s": round(r.load_s, 3)} for r in self._models.values()]
+
+
+def _free_memory() -> None:
+    """Return freed model memory: drop Python references first, then MLX's buffer cache."""
+    import mlx.core as mx
+
+    gc.collect()
+    mx.clear_cache()

@@ -1,0 +1,149 @@
+"""RQ job functions run by the worker; each takes one JSON payload dict and publishes events.
+
+Events of a text job: `delta` {"index", "text"} while generating (non-empty text only), then one
+terminal event: `done` {"model", "choices", "usage", "created"} (also the job's return value), or
+`error` {"message", "code", "status"}, after which the job raises so that RQ marks it failed.
+Cancellation is an error too (code "canceled", status 499, the job fails): the client got no answer.
+Besides the contract's codes, a job past its RQ timeout gets 504 "job_timeout" and one interrupted by
+a cold shutdown 503 "worker_shutdown".
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from rq import get_current_job
+from rq.timeouts import JobTimeoutException
+
+from jobs import keys, records
+from jobs.events import DELTA, DONE, EventPublisher
+from jobs.settings import load_settings
+from jobs.store import ModelInfo, ModelNotFound, resolve
+from jobs.webhooks import settle
+from workers.engine import Canceled, Runtime
+from workers.registry import ModelTooLarge
+from workers.text import ContextLengthExceeded, Sampling
+
+_runtime: Runtime | None = None
+
+TEXT_KINDS = frozenset({"text"})
+"""Model kinds the text job functions accept."""
+
+
+class InvalidModel(ValueError):
+    """The model exists but is the wrong kind for this endpoint (HTTP 400)."""
+
+
+# Exception class -> (HTTP status, error code) of the error event; anything else is a 500.
+ERRORS: dict[type, tuple[int, str]] = {
+    ModelNotFound: (404, "model_not_found"),
+    InvalidModel: (400, "invalid_model"),
+    ModelTooLarge: (507, "insufficient_storage"),
+    ContextLengthExceeded: (400, "context_length_exceeded"),
+    Canceled: (499, "canceled"),
+    JobTimeoutException: (504, "job_timeout"),
+    SystemExit: (503, "worker_shutdown"),  # a cold shutdown (second SIGTERM) interrupted the job
+}
+
+
+def set_runtime(runtime: Runtime | None) -> None:
+    """Install the process's runtime (workers.main does, after warming the default model)."""
+    global _runtime
+    _runtime = runtime
+
+
+def get_runtime() -> Runtime:
+    """The process's runtime, created from the environment on first use (e.g. a test's burst worker)."""
+    global _runtime
+    if _runtime is None:
+        _runtime = Runtime.create(load_settings())
+    return _runtime
+
+
+def chat_completion(payload: dict) -> dict:
+    """Answer a chat: one choice (index 0) generated from `payload["messages"]`."""
+    return _run_text_job(payload, [list(payload["messages"])])
+
+
+def text_completion(payload: dict) -> dict:
+    """Complete prompts: choice i continues `payload["prompts"][i]`."""
+    return _run_text_job(payload, list(payload["prompts"]))
+
+
+def _run_text_job(payload: dict, prompts: list) -> dict:
+    """Generate one choice per prompt, publishing deltas and the terminal event of the current job."""
+    job = get_current_job()
+    runtime = get_runtime()
+    publisher = EventPublisher(job.connection, runtime.settings.result_ttl_s, runtime.settings.event_log_max)
+    is_async = bool(payload.get("job_id"))  # async chat (/v1/jobs) keeps a job record; sync calls do not
+    if is_async:
+        records.set_status(job.connection, runtime.settings, job.id, records.RUNNING)
+    try:
+        done = _generate_all(runtime, publisher, job, payload, prompts)
+    except BaseException as exc:  # SystemExit too: the client must still get a terminal event
+        status, code, message = describe_error(exc)
+        publisher.error(job.id, message, code, status=status)
+        if is_async:
+            settle(job.connection, runtime.settings, job.id)
+        raise
+    publisher.publish(job.id, DONE, done)
+    if is_async:
+        settle(job.connection, runtime.settings, job.id)  # record the result, send the webhook
+    return done
+
+
+def _generate_all(runtime: Runtime, publisher: EventPublisher, job, payload: dict, prompts: list) -> dict:
+    """Run every prompt in turn and build the `done` event's data."""
+    info = resolve_text_model(payload.get("model"), runtime)
+    sampling = Sampling.from_payload(payload)
+    cancel_key = keys.cancel_flag(job.id)
+    canceled = lambda: bool(job.connection.exists(cancel_key))  # noqa: E731
+    choices, prompt_tokens, completion_tokens = [], 0, 0
+    for index, prompt in enumerate(prompts):
+        choice, final = _generate_choice(runtime, publisher, job.id, index, info, prompt, sampling, canceled)
+        choices.append(choice)
+        prompt_tokens += final.prompt_tokens
+        completion_tokens += final.tokens
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens}
+    return {"model": info.id, "choices": choices, "usage": usage, "created": int(time.time())}
+
+
+def resolve_text_model(ref: str | None, runtime: Runtime) -> ModelInfo:
+    """Resolve a client's model reference (names only, never paths) and check it generates text."""
+    info = resolve(ref, runtime.settings, allow_paths=False)
+    if info.kind not in TEXT_KINDS:
+        raise InvalidModel(f"model {info.id!r} is a {info.kind} model; this endpoint needs a text model")
+    return info
+
+
+def _generate_choice(runtime: Runtime, publisher: EventPublisher, job_id: str, index: int, info: ModelInfo,
+                     prompt, sampling: Sampling, canceled: Callable[[], bool]):
+    """Stream one choice's deltas, coalescing what the engine produced while we published."""
+    stream = runtime.generate_text(info, prompt, sampling, canceled)
+    parts, final = [], None
+    try:
+        for batch in stream.batches():
+            delta = "".join(piece.text for piece in batch)
+            if delta:
+                publisher.publish(job_id, DELTA, {"index": index, "text": delta})
+                parts.append(delta)
+            final = batch[-1]
+    finally:
+        stream.close()  # if we leave early (timeout, Redis error), the engine stops generating
+    choice = {"index": index, "text": "".join(parts), "finish_reason": final.finish_reason}
+    return choice, final
+
+
+_FALLBACK_MESSAGES = {"worker_shutdown": "the worker shut down while running this job",
+                      "canceled": "the job was canceled"}
+
+
+def describe_error(exc: BaseException) -> tuple[int, str, str]:
+    """(status, code, message) of the error event for an exception; never a traceback."""
+    for cls, (status, code) in ERRORS.items():
+        if isinstance(exc, cls):
+            return status, code, str(exc) or _FALLBACK_MESSAGES.get(code, code.replace("_", " "))
+    first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+    return 500, "internal_error", f"the worker failed: {type(exc).__name__}" + (f": {first_line}" if first_line else "")

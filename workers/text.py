@@ -1,0 +1,151 @@
+"""The text backend (mlx-lm): load a model, build prompts, and generate with stop strings and real usage."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx_lm
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.utils import dequantize_model
+
+
+class ContextLengthExceeded(ValueError):
+    """The prompt does not fit the model's context window (HTTP 400)."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to generate: the OpenAI sampling knobs, as validated by the web tier."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    repetition_penalty: float | None = None
+
+    @classmethod
+    def from_payload(cls, payload: dict) -> "Sampling":
+        """Build from a job payload; missing or null keys take the defaults."""
+        given = {k: payload[k] for k in cls.__dataclass_fields__ if payload.get(k) is not None}
+        if "stop" in given:
+            stops = given["stop"]
+            given["stop"] = tuple(s for s in ([stops] if isinstance(stops, str) else stops) if s)
+        return cls(**given)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """What one generated token released: new text (often "", held back or mid-character)."""
+
+    text: str
+    tokens: int  # completion tokens generated so far
+    prompt_tokens: int
+    finish_reason: str | None = None  # "stop" | "length" on the last piece
+
+
+def load(path: Path, float32: bool = False):
+    """Load an mlx-lm model and its tokenizer; dequantize/upcast to float32 when asked (CPU policy)."""
+    # Lazy load, so upcasting never holds the stored and the float32 weights fully at once.
+    model, tokenizer = mlx_lm.load(str(path), lazy=True)
+    if float32:
+        dequantize_model(model)
+        model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model, tokenizer
+
+
+def chat_prompt(tokenizer, messages: Sequence[dict]) -> list[int]:
+    """Token ids of a chat, rendered with the model's chat template and the assistant turn opened."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        # A base model has no template: a plain transcript is the honest fallback.
+        lines = [f"{m['role']}: {m['content']}" for m in messages]
+        return text_prompt(tokenizer, "\n".join(lines) + "\nassistant:")
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+def text_prompt(tokenizer, prompt: str) -> list[int]:
+    """Token ids of a plain completion prompt (with the tokenizer's own special tokens)."""
+    return list(tokenizer.encode(prompt))
+
+
+class StopBuffer:
+    """Finds stop strings in streamed text, holding back any tail that could begin one."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Add text; return (text safe to release, whether a stop string matched)."""
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            released, self.pending = self.pending[: min(hits)], ""
+            return released, True
+        keep = self._held_tail()
+        cut = len(self.pending) - keep
+        released, self.pending = self.pending[:cut], self.pending[cut:]
+        return released, False
+
+    def _held_tail(self) -> int:
+        """Length of the longest suffix of the pending text that is a proper prefix of a stop string."""
+        longest = max((len(s) for s in self.stops), default=0)
+        for size in range(min(len(self.pending), longest - 1), 0, -1):
+            tail = self.pending[-size:]
+            if any(s.startswith(tail) for s in self.stops):
+                return size
+        return 0
+
+    def flush(self) -> str:
+        """Release whatever is held (generation ended without a stop string)."""
+        released, self.pending = self.pending, ""
+        return released
+
+
+def token_budget(prompt_tokens: int, max_tokens: int, context_length: int | None) -> int:
+    """Tokens that may be generated: max_tokens, capped by what is left of the context window."""
+    limit = context_length or math.inf
+    if prompt_tokens >= limit:
+        raise ContextLengthExceeded(f"the prompt is {prompt_tokens} tokens but the model's context length "
+                                    f"is {context_length} tokens")
+    return int(min(max_tokens, limit - prompt_tokens))
+
+
+def _generation_kwargs(sampling: Sampling) -> dict:
+    """stream_generate's sampler and logits processors for these settings."""
+    sampler = make_sampler(temp=sampling.temperature, top_p=sampling.top_p, min_p=sampling.min_p,
+                           top_k=sampling.top_k)
+    penalty = sampling.repetition_penalty
+    processors = make_logits_processors(repetition_penalty=penalty) if penalty and penalty != 1.0 else None
+    return {"sampler": sampler, "logits_processors": processors}
+
+
+def generate(model, tokenizer, prompt: list[int], sampling: Sampling,
+             context_length: int | None = None) -> Iterator[Piece]:
+    """Generate from token ids: one Piece per token; the last one carries the finish reason.
+
+    Stop strings are matched on the text and never released; completion token counts include the
+    token that completed a stop string and the end-of-sequence token (it was generated).
+    """
+    budget = token_budget(len(prompt), sampling.max_tokens, context_length)
+    if sampling.seed is not None:
+        mx.random.seed(sampling.seed)
+    stops = StopBuffer(sampling.stop)
+    for step in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=budget,
+                                       **_generation_kwargs(sampling)):
+        text, matched = stops.feed(step.text)
+        if matched:
+            yield Piece(text, step.generation_tokens, len(prompt), "stop")
+            return
+        if step.finish_reason:
+            yield Piece(text + stops.flush(), step.generation_tokens, len(prompt), step.finish_reason)
+            return
+        yield Piece(text, step.generation_tokens, len(prompt))
