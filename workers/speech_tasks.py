@@ -41,8 +41,6 @@ def transcribe(payload: dict) -> dict:
     """RQ job: transcribe payload["audio_path"] chunk by chunk; return the result (or how it yielded)."""
     job = get_current_job()
     runtime = get_runtime()
-    # A worker whose runtime predates the speech backend still gets it (registry loaders by kind).
-    runtime.registry.loaders.setdefault("speech", speech.load)
     run = Transcription(job, runtime, payload)
     try:
         return run.execute()
