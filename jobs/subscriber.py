@@ -68,7 +68,7 @@ class EventHub:
                     message = pubsub.get_message(timeout=1.0)
                     if message and message["type"] == "pmessage":
                         self._dispatch(message["channel"], message["data"])
-            except redis.RedisError as exc:
+            except (redis.RedisError, OSError, ValueError) as exc:  # OSError/ValueError: socket closed under us
                 # Missed events are recovered from the replay log by `follow`'s catch-up.
                 log.warning("event hub lost Redis (%s); reconnecting in %.1fs", exc, backoff)
                 time.sleep(backoff)

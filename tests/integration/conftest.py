@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
 from mlxq.cli import gunicorn_argv
 from tests.conftest import REPO, free_port, wait_until
@@ -112,7 +113,10 @@ def service(redis_url, models_dir):
     """The running service, shared by the integration tests (tests that kill the worker restart it)."""
     if not (models_dir / "smollm2-135m").exists():
         pytest.fail(f"demo model missing in {models_dir}: run `make test` or `mlxq models pull-demo` first")
-    svc = Service(redis_url, models_dir, MLXQ_WEBHOOK_ALLOW_PRIVATE=1, MLXQ_WEBHOOK_SECRET="test-secret").start()
+    # Database 1: the running worker must never take the jobs other tests enqueue on database 0.
+    service_url = redis_url.rsplit("/", 1)[0] + "/1"
+    redis.Redis.from_url(service_url).flushdb()
+    svc = Service(service_url, models_dir, MLXQ_WEBHOOK_ALLOW_PRIVATE=1, MLXQ_WEBHOOK_SECRET="test-secret").start()
     yield svc
     svc.stop()
 
