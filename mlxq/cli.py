@@ -78,7 +78,8 @@ def up(host, port, web_workers):
         f"  Redis      {redis_url}\n\nTry:\n  curl -s {base}/v1/chat/completions{key} "
         "-H 'Content-Type: application/json' "
         f"-d '{{\"model\": \"{settings.default_model}\", \"messages\": "
-        "[{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], \"max_tokens\": 32}'\n\n"
+        "[{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], "
+        "\"max_tokens\": 32, \"temperature\": 0}'\n\n"
         "Press Ctrl-C to stop everything.\n"
     )
     sys.exit(stack.wait())
