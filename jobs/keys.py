@@ -34,3 +34,18 @@ def worker_alive(worker_name: str) -> str:
 
 WORKER_ALIVE_PATTERN = f"{PREFIX}:worker:*:alive"
 """Pattern matching every live worker's liveness key."""
+
+
+def record_key(job_id: str) -> str:
+    """Hash holding an async job's record (jobs.records)."""
+    return f"{PREFIX}:jobrec:{job_id}"
+
+
+def result_key(job_id: str) -> str:
+    """String holding an async job's result (JSON), kept apart so reading a record stays cheap."""
+    return f"{PREFIX}:jobresult:{job_id}"
+
+
+def checkpoint_key(job_id: str) -> str:
+    """Hash holding a long job's resume state (written by the worker between chunks)."""
+    return f"{PREFIX}:ckpt:{job_id}"

@@ -14,6 +14,7 @@ import time
 import redis
 
 from jobs import keys
+from jobs.keys import checkpoint_key, record_key, result_key  # noqa: F401  (checkpoint_key: part of this API)
 from jobs.queues import BATCH
 from jobs.settings import Settings
 
@@ -30,21 +31,6 @@ PENDING_TTL_FACTOR = 7
 _PUBLIC = ("id", "kind", "status", "model", "filename", "created_at", "started_at", "finished_at",
            "progress", "error", "metadata", "webhook_url", "attempts")
 _SCAN_PAGE = 100
-
-
-def record_key(job_id: str) -> str:
-    """Hash holding the job's record."""
-    return f"{keys.PREFIX}:jobrec:{job_id}"
-
-
-def result_key(job_id: str) -> str:
-    """String holding the job's result (JSON), kept apart so reading a record stays cheap."""
-    return f"{keys.PREFIX}:jobresult:{job_id}"
-
-
-def checkpoint_key(job_id: str) -> str:
-    """Hash holding a long job's resume state (written by the worker between chunks)."""
-    return f"{keys.PREFIX}:ckpt:{job_id}"
 
 
 def create(conn: redis.Redis, settings: Settings, job_id: str, kind: str, fields: dict) -> dict:
