@@ -63,8 +63,8 @@ class Settings:
     memory_budget_mb: int = 0
     """Memory the worker may fill with resident models (0: 70% of RAM / GPU memory)."""
 
-    cancel_check_every: int = 1
-    """The worker checks for cancellation every N generated tokens."""
+    cancel_check_every: int = 4
+    """The worker checks for cancellation every N generated tokens (each check is a Redis round trip)."""
 
     webhook_secret: str = ""
     """HMAC-SHA256 secret used to sign webhook deliveries."""
