@@ -429,11 +429,13 @@ def chat_section(idle: list[float], busy: dict, chunk: dict) -> dict:
     target = round(chunk["max"] + idle_s["p50"], 3) if chunk.get("n") else None
     busy_s = busy["latency_s"]
     handover = summary([x["yield_and_chat_s"] for x in busy["split_s"]])
+    overlapped = all(busy["job_running_during_chat"])  # else the file is too short to tell (None)
+    within = bool(target and busy_s.get("n") and busy_s["max"] <= target) if overlapped else None
     return {"idle_latency_s": idle_s, "during_transcription": busy, "target_max_s": target,
-            "within_target": bool(target and busy_s.get("n") and busy_s["max"] <= target),
+            "within_target": within,
             # Beyond the window it waited for, what did the chat cost compared with an idle service?
             "handover_s": handover, "handover_over_idle_p50_s": round(handover["p50"] - idle_s["p50"], 3),
-            "all_overlapped": all(busy["job_running_during_chat"])}
+            "all_overlapped": overlapped}
 
 
 # ---------------------------------------------------------------- phases
