@@ -33,7 +33,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from bench.bench_text import reexec_with_worker_blas  # noqa: E402
-from bench.common import Proc, free_port, percentile, start_redis, wait_http  # noqa: E402
+from bench.common import Proc, free_port, percentile, start_redis, wait_http, write_report  # noqa: E402
 from bench.make_long_audio import build, script_for  # noqa: E402
 
 SPEECH_MODEL = "whisper-tiny.en"
@@ -534,10 +534,7 @@ def main() -> None:
     finally:
         redis_proc.stop()
     report["bench_wall_s"] = round(time.perf_counter() - t_start, 1)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from bench.common import Proc, free_port, percentile, start_redis, wait_http  # noqa: E402
+from bench.common import Proc, free_port, percentile, start_redis, wait_http, write_report  # noqa: E402
 
 SPACING_S = 0.05
 """Pause between calls in the 'spaced' latency runs."""
@@ -217,10 +217,7 @@ def main() -> None:
     direct_tps = max(report["direct_decode_tps"]["p50"], report["direct_decode_tps_after"]["p50"])
     report["decode_ratio_vs_direct"] = {"mlxq": report["mlxq"]["decode_tps"]["p50"] / direct_tps,
                                         "mlx_lm_server": report["mlx_lm_server"]["decode_tps"]["p50"] / direct_tps}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,12 +15,15 @@ from pathlib import Path
 
 import httpx
 
+from mlxq.devstack import free_port  # noqa: F401  (re-exported for the benchmarks)
 
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+def write_report(report: dict, out: Path | None) -> None:
+    """Print the JSON report, and write it to `out` when given."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if out:
+        out.write_text(text)
 
 
 def percentile(samples: list[float], q: float) -> float:

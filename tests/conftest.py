@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -15,16 +14,10 @@ import redis
 
 from jobs.connection import reset_clients
 from jobs.settings import load_settings
+from mlxq.devstack import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
-
-
-def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "condition"):
