@@ -54,6 +54,7 @@ class ModelNotFound(LookupError):
 
 _json_memo: dict[Path, tuple[tuple[int, int], dict]] = {}
 _scan_memo: dict[Path, tuple[tuple, dict[str, tuple[Path, int, float]]]] = {}
+_size_memo: dict[Path, tuple[int, int]] = {}
 
 
 def _read_json(path: Path) -> dict | None:
@@ -79,6 +80,27 @@ def _read_json(path: Path) -> dict | None:
 
 
 def _dir_size(path: Path) -> int:
+    """Sum of the sizes of the files under `path`, memoized on the directory's mtime.
+
+    Every request resolves its model, and walking the directory each time was most of that cost.
+    A model directory changes by files being added, removed or renamed (imports are atomic
+    renames), which moves its mtime; a file rewritten in place would only leave the size stale.
+    """
+    try:
+        key = os.stat(path).st_mtime_ns
+    except OSError:
+        return 0
+    hit = _size_memo.get(path)
+    if hit and hit[0] == key:
+        return hit[1]
+    size = _walk_size(path)
+    if len(_size_memo) > 4096:  # bound the memo, as for the JSON files
+        _size_memo.clear()
+    _size_memo[path] = (key, size)
+    return size
+
+
+def _walk_size(path: Path) -> int:
     """Sum of the sizes of the files under `path` (following symlinks, as HF snapshots use them)."""
     total = 0
     try:
@@ -88,7 +110,7 @@ def _dir_size(path: Path) -> int:
     for entry in entries:
         try:
             if entry.is_dir():
-                total += _dir_size(Path(entry.path))
+                total += _walk_size(Path(entry.path))
             else:
                 total += entry.stat().st_size
         except OSError:

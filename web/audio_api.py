@@ -63,8 +63,8 @@ def rendered(result: dict, fmt: str, granularities, text_mimetype: str | None = 
 
 @blp.route("/transcriptions", methods=["POST"])
 @accepts_upload
-@blp.arguments(TranscriptionFileSchema, location="files")
-@blp.arguments(TranscriptionFormSchema, location="form", content_type="multipart/form-data")  # documented
+@blp.arguments(TranscriptionFileSchema(), location="files")
+@blp.arguments(TranscriptionFormSchema(), location="form", content_type="multipart/form-data")  # documented
 def transcriptions(files, form):
     """Transcribe an audio file (JSON, text, srt, vtt or verbose_json; SSE text deltas when `stream`)."""
     job_id = queues.new_job_id("transcr")

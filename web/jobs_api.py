@@ -97,8 +97,8 @@ def _create_and_enqueue(job_id: str, kind: str, fields: dict, func: str, payload
 
 @blp.route("/transcriptions", methods=["POST"])
 @accepts_upload
-@blp.arguments(TranscriptionFileSchema, location="files")
-@blp.arguments(JobTranscriptionFormSchema, location="form", content_type="multipart/form-data")  # documented
+@blp.arguments(TranscriptionFileSchema(), location="files")
+@blp.arguments(JobTranscriptionFormSchema(), location="form", content_type="multipart/form-data")  # documented
 @blp.response(202, JobAcceptedSchema)
 def create_transcription(files, form):
     """Submit an async transcription; follow it at /v1/jobs/{id}."""
@@ -115,7 +115,7 @@ def create_transcription(files, form):
 
 
 @blp.route("/chat/completions", methods=["POST"])
-@blp.arguments(JobChatRequestSchema)
+@blp.arguments(JobChatRequestSchema())
 @blp.response(202, JobAcceptedSchema)
 def create_chat(body):
     """Submit an async chat completion; its result is a chat.completion object."""
@@ -131,7 +131,7 @@ def create_chat(body):
 
 
 @blp.route("", methods=["GET"])
-@blp.arguments(JobListQuerySchema, location="query")
+@blp.arguments(JobListQuerySchema(), location="query")
 @blp.response(200, JobListSchema)
 def list_jobs(query):
     """List jobs, newest first; pass `next_cursor` back as `cursor` for the next page."""
@@ -160,7 +160,7 @@ def get_job(job_id: str):
 
 
 @blp.route("/<job_id>/result", methods=["GET"])
-@blp.arguments(ResultQuerySchema, location="query")
+@blp.arguments(ResultQuerySchema(), location="query")
 def job_result(query, job_id: str):
     """A finished job's result (transcriptions in any response format); 409 while it is not ready."""
     svc = services()
@@ -196,7 +196,7 @@ def _last_event_id(query: dict) -> int:
 
 
 @blp.route("/<job_id>/events", methods=["GET"])
-@blp.arguments(EventsQuerySchema, location="query")
+@blp.arguments(EventsQuerySchema(), location="query")
 def job_events(query, job_id: str):
     """Server-Sent Events of a job (progress, segment, delta, done, error), replayed from the log."""
     _record_or_404(job_id)

@@ -77,7 +77,7 @@ def _usage_wanted(body: dict) -> bool:
 
 
 @blp.route("/chat/completions", methods=["POST"])
-@blp.arguments(ChatCompletionRequestSchema)
+@blp.arguments(ChatCompletionRequestSchema())
 def chat_completions(body):
     """Create a chat completion (plain JSON, or SSE chunks when `stream` is true)."""
     info = resolve_model(body["model"], "text")
@@ -125,7 +125,7 @@ def _chat_chunks(job_id: str, model: str, created: int, include_usage: bool):
 
 
 @blp.route("/completions", methods=["POST"])
-@blp.arguments(CompletionRequestSchema)
+@blp.arguments(CompletionRequestSchema())
 def completions(body):
     """Create a text completion for one prompt or a list of prompts (one choice each)."""
     info = resolve_model(body["model"], "text")
