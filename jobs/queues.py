@@ -58,15 +58,21 @@ def enqueue(
     queue = get_queue(queue_name, connection)
     if len(queue) >= settings.max_queued:
         raise QueueFull(f"queue {queue_name!r} holds {len(queue)} jobs (limit {settings.max_queued})")
-    return queue.enqueue(
-        func,
-        payload,
-        job_id=job_id,
-        description=description or func.rsplit(".", 1)[-1],
-        job_timeout=timeout_s,
-        result_ttl=settings.result_ttl_s,
-        failure_ttl=settings.result_ttl_s,
-        ttl=settings.result_ttl_s,
-        at_front=at_front,
-        meta=meta or {},
-    )
+    # One pipeline: RQ alone would register the queue and then save and push the job in two round
+    # trips, and every round trip is on the latency of a synchronous call.
+    with connection.pipeline() as pipe:
+        job = queue.enqueue(
+            func,
+            payload,
+            job_id=job_id,
+            description=description or func.rsplit(".", 1)[-1],
+            job_timeout=timeout_s,
+            result_ttl=settings.result_ttl_s,
+            failure_ttl=settings.result_ttl_s,
+            ttl=settings.result_ttl_s,
+            at_front=at_front,
+            meta=meta or {},
+            pipeline=pipe,
+        )
+        pipe.execute()
+    return job
