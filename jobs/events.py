@@ -21,21 +21,29 @@ DONE = "done"
 ERROR = "error"
 TERMINAL = frozenset({DONE, ERROR})
 
-# Assign the id, append to the capped log and publish in one atomic step, so the log's order is
-# the id order and a terminal event can never be followed by another (a second one is dropped).
+# Assign ids, append to the capped log and publish in one atomic step, so the log's order is the id
+# order and a terminal event can never be followed by another (a later one is dropped). ARGV: ttl,
+# cap, then a type and a JSON data per event; several events cost one round trip. Returns the last
+# id and whether the job's cancel flag is set, so a publishing worker learns of a cancel for free.
 _PUBLISH_LUA = """
-local seq_key, log_key, channel = KEYS[1], KEYS[2], KEYS[3]
-local etype, data, ttl, cap = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
-if redis.call('GET', seq_key .. ':ended') then return 0 end
-local id = redis.call('INCR', seq_key)
-local event = '{"id":' .. id .. ',"type":"' .. etype .. '","data":' .. data .. '}'
-redis.call('RPUSH', log_key, event)
-redis.call('LTRIM', log_key, -cap, -1)
-redis.call('EXPIRE', log_key, ttl)
-redis.call('EXPIRE', seq_key, ttl)
-if etype == 'done' or etype == 'error' then redis.call('SET', seq_key .. ':ended', id, 'EX', ttl) end
-redis.call('PUBLISH', channel, event)
-return id
+local seq_key, log_key, channel, cancel_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local ttl, cap = tonumber(ARGV[1]), tonumber(ARGV[2])
+local id = 0
+for i = 3, #ARGV, 2 do
+  if redis.call('GET', seq_key .. ':ended') then break end
+  local etype, data = ARGV[i], ARGV[i + 1]
+  id = redis.call('INCR', seq_key)
+  local event = '{"id":' .. id .. ',"type":"' .. etype .. '","data":' .. data .. '}'
+  redis.call('RPUSH', log_key, event)
+  if etype == 'done' or etype == 'error' then redis.call('SET', seq_key .. ':ended', id, 'EX', ttl) end
+  redis.call('PUBLISH', channel, event)
+end
+if id > 0 then
+  redis.call('LTRIM', log_key, -cap, -1)
+  redis.call('EXPIRE', log_key, ttl)
+  redis.call('EXPIRE', seq_key, ttl)
+end
+return {id, redis.call('EXISTS', cancel_key)}
 """
 
 
@@ -50,9 +58,18 @@ class EventPublisher:
 
     def publish(self, job_id: str, event_type: str, data: dict | None = None) -> int:
         """Publish one event; return its id, or 0 when the job already ended (nothing published)."""
-        payload = json.dumps(data or {}, separators=(",", ":"))
-        job_keys = [keys.event_seq(job_id), keys.event_log(job_id), keys.event_channel(job_id)]
-        return int(self._script(keys=job_keys, args=[event_type, payload, self.ttl_s, self.log_max]))
+        return self.publish_many(job_id, [(event_type, data)])[0]
+
+    def publish_many(self, job_id: str, events: list[tuple[str, dict | None]]) -> tuple[int, bool]:
+        """Publish events in order in one round trip; return (the last id, 0 if the job had ended;
+        whether a cancel of the job was requested)."""
+        args: list = [self.ttl_s, self.log_max]
+        for event_type, data in events:
+            args += [event_type, json.dumps(data or {}, separators=(",", ":"))]
+        job_keys = [keys.event_seq(job_id), keys.event_log(job_id), keys.event_channel(job_id),
+                    keys.cancel_flag(job_id)]
+        last_id, cancel_requested = self._script(keys=job_keys, args=args)
+        return int(last_id), bool(cancel_requested)
 
     def error(self, job_id: str, message: str, code: str = "internal_error", **extra) -> int:
         """Publish the terminal error event of a job."""

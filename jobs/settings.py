@@ -63,8 +63,9 @@ class Settings:
     memory_budget_mb: int = 0
     """Memory the worker may fill with resident models (0: 70% of RAM / GPU memory)."""
 
-    cancel_check_every: int = 4
-    """The worker checks for cancellation every N generated tokens (each check is a Redis round trip)."""
+    stream_interval_ms: int = 20
+    """Least time between two streamed text events of a job; tokens generated meanwhile go out together
+    (the first token and the last never wait). Fewer, larger events leave more time to generation."""
 
     webhook_secret: str = ""
     """HMAC-SHA256 secret used to sign webhook deliveries."""

@@ -8,8 +8,10 @@ engine keeps generating, and it can publish whatever accumulated meanwhile as on
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -50,13 +52,37 @@ class Stream:
         """Stop listening: the engine drops the request at its next check."""
         self._closed.set()
 
-    def batches(self, timeout: float | None = None) -> Iterator[list]:
-        """Yield lists of every result available at once, until the end; re-raise the engine's error."""
+    def batches(self, timeout: float | None = None, interval: float = 0.0,
+                idle: float | None = None) -> Iterator[list]:
+        """Yield lists of results until the end; re-raise the engine's error.
+
+        The first list comes as soon as a result does; later ones at most one per `interval`
+        seconds, gathering what arrived meanwhile, except that the end (a result whose `final` is
+        true, the sentinel or an error) is yielded at once. After `idle` seconds without a result
+        an empty list is yielded (the reader's chance to do periodic work); without `idle`,
+        `timeout` seconds without a result raise queue.Empty.
+        """
+        last_yield = -math.inf
         while True:
-            items = [self._queue.get(timeout=timeout)]
-            items.extend(self._drain())
+            try:
+                items = [self._queue.get(timeout=timeout if idle is None else idle)]
+            except queue.Empty:
+                if idle is None:
+                    raise
+                yield []
+                continue
+            while not _ends(items[-1]):
+                remaining = last_yield + interval - time.monotonic()
+                if remaining <= 0:
+                    items.extend(self._drain())
+                    break
+                try:
+                    items.append(self._queue.get(timeout=remaining))
+                except queue.Empty:
+                    break
             results = [item for item in items if item is not _END and not isinstance(item, BaseException)]
             if results:
+                last_yield = time.monotonic()
                 yield results
             errors = [item for item in items if isinstance(item, BaseException)]
             if errors:
@@ -76,6 +102,11 @@ class Stream:
     def __iter__(self) -> Iterator:
         for batch in self.batches():
             yield from batch
+
+
+def _ends(item: Any) -> bool:
+    """Whether nothing the reader needs comes after this item."""
+    return item is _END or isinstance(item, BaseException) or bool(getattr(item, "final", False))
 
 
 class Engine:
@@ -127,6 +158,9 @@ class Engine:
                 stream.put(item)
             stream.put(_END)
         except Exception as exc:
+            if stream.closed and not isinstance(exc, Canceled):
+                # The reader already has its answer (it stops at the last piece); say what went wrong.
+                log.warning("engine request failed after its reader left: %s: %s", type(exc).__name__, exc)
             stream.put(exc)
 
 
@@ -163,29 +197,22 @@ class Runtime:
         """Drop a resident model; True if it was loaded."""
         return self.engine.call(lambda: self.registry.unload(info.path))
 
-    def generate_text(self, info: ModelInfo, prompt: str | list[dict], sampling: text.Sampling,
-                      should_cancel: Callable[[], bool] = lambda: False) -> Stream:
-        """Start generating for a chat (list of messages) or a plain prompt; read Pieces from the Stream."""
-        return self.engine.submit(lambda stream: self._text_work(stream, info, prompt, sampling, should_cancel))
+    def generate_text(self, info: ModelInfo, prompt: str | list[dict], sampling: text.Sampling) -> Stream:
+        """Start generating for a chat (list of messages) or a plain prompt; read Pieces from the Stream.
 
-    def _text_work(self, stream: Stream, info: ModelInfo, prompt: str | list[dict], sampling: text.Sampling,
-                   should_cancel: Callable[[], bool]) -> Iterator[text.Piece]:
-        """Engine side of generate_text: load, tokenize, generate, check for cancellation."""
+        Closing the stream cancels the generation: the engine checks it at every token.
+        """
+        return self.engine.submit(lambda stream: self._text_work(stream, info, prompt, sampling))
+
+    def _text_work(self, stream: Stream, info: ModelInfo, prompt: str | list[dict],
+                   sampling: text.Sampling) -> Iterator[text.Piece]:
+        """Engine side of generate_text: load, tokenize, generate, stop when the reader closed the stream."""
         resident = self.registry.get(info)
         tokenizer = resident.processor
         is_chat = isinstance(prompt, list)
         ids = text.chat_prompt(tokenizer, prompt) if is_chat else text.text_prompt(tokenizer, prompt)
-        check = _cancel_check(stream, should_cancel, max(1, self.settings.cancel_check_every))
-        check(0)
         for piece in text.generate(resident.model, tokenizer, ids, sampling, info.context_length):
-            check(piece.tokens)
+            if stream.closed:
+                raise Canceled(f"canceled after {piece.tokens} generated tokens")
             if piece.text or piece.finish_reason:
                 yield piece
-
-
-def _cancel_check(stream: Stream, should_cancel: Callable[[], bool], every: int) -> Callable[[int], None]:
-    """A per-token check that raises Canceled every `every` tokens once the job is canceled."""
-    def check(tokens: int) -> None:
-        if tokens % every == 0 and (stream.closed or should_cancel()):
-            raise Canceled(f"canceled after {tokens} generated tokens")
-    return check

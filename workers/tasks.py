@@ -11,7 +11,6 @@ a cold shutdown 503 "worker_shutdown".
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 from rq import get_current_job
 from rq.timeouts import JobTimeoutException
@@ -26,6 +25,9 @@ from workers.registry import ModelTooLarge
 from workers.text import ContextLengthExceeded, Sampling
 
 _runtime: Runtime | None = None
+
+CANCEL_POLL_S = 0.5
+"""While nothing is generated (a long prompt being processed), how often the job looks for a cancel."""
 
 TEXT_KINDS = frozenset({"text"})
 """Model kinds the text job functions accept."""
@@ -80,34 +82,36 @@ def _run_text_job(payload: dict, prompts: list) -> dict:
     if is_async:
         records.set_status(job.connection, runtime.settings, job.id, records.RUNNING)
     try:
-        done = _generate_all(runtime, publisher, job, payload, prompts)
+        done, last_delta = _generate_all(runtime, publisher, job, payload, prompts)
     except BaseException as exc:  # SystemExit too: the client must still get a terminal event
         status, code, message = describe_error(exc)
         publisher.error(job.id, message, code, status=status)
         if is_async:
             settle(job.connection, runtime.settings, job.id)
         raise
-    publisher.publish(job.id, DONE, done)
+    publisher.publish_many(job.id, [*last_delta, (DONE, done)])  # one round trip for the answer
     if is_async:
         settle(job.connection, runtime.settings, job.id)  # record the result, send the webhook
     return done
 
 
-def _generate_all(runtime: Runtime, publisher: EventPublisher, job, payload: dict, prompts: list) -> dict:
-    """Run every prompt in turn and build the `done` event's data."""
+def _generate_all(runtime: Runtime, publisher: EventPublisher, job, payload: dict,
+                  prompts: list) -> tuple[dict, list]:
+    """Run every prompt in turn; return the `done` event's data and the last delta event, unpublished."""
     info = resolve_text_model(payload.get("model"), runtime)
     sampling = Sampling.from_payload(payload)
-    cancel_key = keys.cancel_flag(job.id)
-    canceled = lambda: bool(job.connection.exists(cancel_key))  # noqa: E731
-    choices, prompt_tokens, completion_tokens = [], 0, 0
+    choices, prompt_tokens, completion_tokens, held = [], 0, 0, []
     for index, prompt in enumerate(prompts):
-        choice, final = _generate_choice(runtime, publisher, job.id, index, info, prompt, sampling, canceled)
+        if held and publisher.publish_many(job.id, held)[1]:
+            raise Canceled(f"canceled after {index} of {len(prompts)} prompts")
+        choice, final, last_delta = _generate_choice(runtime, publisher, job, index, info, prompt, sampling)
+        held = [(DELTA, {"index": index, "text": last_delta})] if last_delta else []
         choices.append(choice)
         prompt_tokens += final.prompt_tokens
         completion_tokens += final.tokens
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
              "total_tokens": prompt_tokens + completion_tokens}
-    return {"model": info.id, "choices": choices, "usage": usage, "created": int(time.time())}
+    return {"model": info.id, "choices": choices, "usage": usage, "created": int(time.time())}, held
 
 
 def resolve_text_model(ref: str | None, runtime: Runtime) -> ModelInfo:
@@ -118,22 +122,46 @@ def resolve_text_model(ref: str | None, runtime: Runtime) -> ModelInfo:
     return info
 
 
-def _generate_choice(runtime: Runtime, publisher: EventPublisher, job_id: str, index: int, info: ModelInfo,
-                     prompt, sampling: Sampling, canceled: Callable[[], bool]):
-    """Stream one choice's deltas, coalescing what the engine produced while we published."""
-    stream = runtime.generate_text(info, prompt, sampling, canceled)
-    parts, final = [], None
+def _generate_choice(runtime: Runtime, publisher: EventPublisher, job, index: int, info: ModelInfo,
+                     prompt, sampling: Sampling):
+    """Stream one choice's deltas; return (the choice, its final Piece, its last delta unpublished).
+
+    Deltas go out at most one per settings.stream_interval_ms, each carrying every token generated
+    meanwhile: fewer Redis round trips, and fewer wake-ups competing with the engine for the GIL.
+    Each publish also reports a requested cancel, which closes the stream (the engine checks it at
+    every token). It returns as soon as the piece with the finish reason arrives, while the engine
+    may still be tidying up (mlx-lm has already started computing a token it will not use); the
+    text of that last batch is returned unpublished, for the caller to send with the next event
+    in one round trip.
+    """
+    stream = runtime.generate_text(info, prompt, sampling)
+    interval = runtime.settings.stream_interval_ms / 1000
+    parts, final, last_delta = [], None, ""
     try:
-        for batch in stream.batches():
+        # Asked while the job was queued? Checked here, while the engine already starts the prompt.
+        _raise_if_canceled(job, "before generation started")
+        for batch in stream.batches(interval=interval, idle=CANCEL_POLL_S):
+            if not batch:  # a long prefill or a slow model: nothing to publish, so ask Redis
+                _raise_if_canceled(job, "during prompt processing")
+                continue
             delta = "".join(piece.text for piece in batch)
-            if delta:
-                publisher.publish(job_id, DELTA, {"index": index, "text": delta})
-                parts.append(delta)
+            parts.append(delta)
             final = batch[-1]
+            if final.finish_reason:
+                last_delta = delta
+                break
+            if delta and publisher.publish_many(job.id, [(DELTA, {"index": index, "text": delta})])[1]:
+                raise Canceled(f"canceled after {final.tokens} generated tokens")
     finally:
-        stream.close()  # if we leave early (timeout, Redis error), the engine stops generating
+        stream.close()  # whenever we leave early (cancel, timeout, Redis error), the engine stops
     choice = {"index": index, "text": "".join(parts), "finish_reason": final.finish_reason}
-    return choice, final
+    return choice, final, last_delta
+
+
+def _raise_if_canceled(job, when: str) -> None:
+    """Raise Canceled if a client asked to cancel the job."""
+    if job.connection.exists(keys.cancel_flag(job.id)):
+        raise Canceled(f"canceled {when}")
 
 
 _FALLBACK_MESSAGES = {"worker_shutdown": "the worker shut down while running this job",

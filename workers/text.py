@@ -49,6 +49,11 @@ class Piece:
     prompt_tokens: int
     finish_reason: str | None = None  # "stop" | "length" on the last piece
 
+    @property
+    def final(self) -> bool:
+        """Whether this is the last piece of its generation."""
+        return self.finish_reason is not None
+
 
 def load(path: Path, float32: bool = False):
     """Load an mlx-lm model and its tokenizer; dequantize/upcast to float32 when asked (CPU policy)."""
