@@ -3,8 +3,11 @@
 Measures (1) the latency a 1-token chat gains by going through the service (HTTP, Redis, RQ, the
 worker, pub/sub) over calling mlx-lm directly, and (2) decode tokens/s through each path.
 
+All three contestants are up at once and the measurements are interleaved (a block of calls to
+each in turn, round after round), so that a machine whose speed drifts during the run (shared or
+throttled) moves every contestant's figures alike instead of whichever ran at the time.
+
     python bench/bench_text.py --model ~/.cache/mlxq/models/smollm2-135m
-    python bench/bench_text.py --random-from CONFIG_DIR --layers 16 ...   # GPU machine: random weights
 
 Prints a JSON report (and writes it to --out). Start-up of each server is excluded.
 """
@@ -19,6 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -27,10 +31,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from bench.common import Proc, free_port, percentile, start_redis, wait_http, write_report  # noqa: E402
 
-SPACING_S = 0.05
-"""Pause between calls in the 'spaced' latency runs."""
-
 PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
+WARMUP = 3
+"""Untimed calls to each contestant before measuring."""
 
 
 def same_weights_everywhere(model_dir: Path) -> Path:
@@ -57,75 +60,117 @@ def same_weights_everywhere(model_dir: Path) -> Path:
     return out
 
 
-def direct_latency(model, tokenizer, n: int, gap_s: float = 0.0) -> list[float]:
-    """Seconds for a 1-token greedy chat by calling mlx-lm directly (tokenize + prefill + 1 token)."""
-    import mlx_lm
+class Direct:
+    """mlx-lm called in this process: the baseline."""
 
-    samples = []
-    for i in range(n + 3):
-        time.sleep(gap_s)
+    name = "direct"
+
+    def __init__(self, model_dir: Path):
+        import mlx_lm
+
+        self.model, self.tokenizer = mlx_lm.load(str(model_dir))
+
+    def one_token(self) -> float:
+        """Seconds for a 1-token greedy chat: chat template + prefill + 1 token, as a caller sees it."""
+        import mlx_lm
+
         t0 = time.perf_counter()
-        prompt = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True)
-        for _ in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=1):
+        prompt = self.tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True)
+        for _ in mlx_lm.stream_generate(self.model, self.tokenizer, prompt, max_tokens=1):
             pass
-        if i >= 3:  # warm-up
-            samples.append(time.perf_counter() - t0)
-    return samples
+        return time.perf_counter() - t0
+
+    def decode(self, max_tokens: int) -> float:
+        """Decode tokens/s of mlx_lm.stream_generate (first to last token, wall clock)."""
+        import mlx_lm
+
+        prompt = self.tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True)
+        stamps = [time.perf_counter() for _ in mlx_lm.stream_generate(self.model, self.tokenizer, prompt,
+                                                                       max_tokens=max_tokens)]
+        return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+    def close(self) -> None:
+        """Nothing to stop."""
 
 
-def direct_decode(model, tokenizer, max_tokens: int, runs: int) -> list[float]:
-    """Decode tokens/s of mlx_lm.stream_generate (first to last token, wall clock)."""
-    import mlx_lm
+class HTTPServer:
+    """An OpenAI-compatible server over HTTP with a keep-alive client."""
 
-    prompt = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True)
-    rates = []
-    for _ in range(runs + 1):
-        stamps = [time.perf_counter() for _ in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=max_tokens)]
-        rates.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
-    return rates[1:]
+    def __init__(self, name: str, base: str, model: str, procs: list[Proc]):
+        self.name, self.model, self.procs = name, model, procs
+        self.client = httpx.Client(base_url=base, timeout=600)
+
+    def one_token(self) -> float:
+        """Seconds for a 1-token greedy chat over HTTP."""
+        body = {"model": self.model, "messages": PROMPT, "max_tokens": 1, "temperature": 0}
+        t0 = time.perf_counter()
+        response = self.client.post("/v1/chat/completions", json=body)
+        elapsed = time.perf_counter() - t0
+        response.raise_for_status()
+        return elapsed
+
+    def decode(self, max_tokens: int) -> float:
+        """Decode tokens/s of a streamed chat: content chunks from the first to the last, wall clock."""
+        body = {"model": self.model, "messages": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}}
+        first = last = None
+        tokens = 0
+        with self.client.stream("POST", "/v1/chat/completions", json=body) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                    last = time.perf_counter()
+                    first = first or last
+        return (tokens - 1) / (last - first)
+
+    def close(self) -> None:
+        """Stop the server's processes."""
+        self.client.close()
+        for proc in reversed(self.procs):
+            proc.stop()
 
 
-def http_latency(base: str, model: str, n: int, gap_s: float = 0.0) -> list[float]:
-    """Seconds for a 1-token greedy chat through an OpenAI-compatible server (keep-alive client).
+def start_mlxq(model_dir: Path, redis_url: str) -> HTTPServer:
+    """Start the worker and gunicorn (gevent) on the model; return once /ready answers."""
+    port = free_port()
+    models_dir = Path(tempfile.mkdtemp(prefix="mlxq-bench-models-"))
+    (models_dir / "aliases.json").write_text(json.dumps({"bench": str(model_dir)}))
+    env = {**os.environ, "REDIS_URL": redis_url, "MLXQ_MODELS_DIR": str(models_dir), "MLXQ_DEFAULT_MODEL": "bench",
+           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    worker = Proc([sys.executable, "-m", "workers.main"], env, "worker").start()
+    web = Proc([sys.executable, "-m", "gunicorn", "-k", "gevent", "-w", "1", "-b", f"127.0.0.1:{port}",
+                "web.app:create_app()"], env, "web").start()
+    base = f"http://127.0.0.1:{port}"
+    wait_http(base + "/ready", 300)
+    return HTTPServer("mlxq", base, "bench", [worker, web])
 
-    gap_s > 0 pauses between calls: one isolated request's latency, without the server's work on
-    the previous request (RQ's bookkeeping, say) still in the way.
+
+def start_mlx_lm_server(model_dir: Path) -> HTTPServer:
+    """Start mlx_lm.server on the model; return once it answers."""
+    port = free_port()
+    server = Proc([sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port", str(port)],
+                  dict(os.environ), "mlx_lm.server").start()
+    base = f"http://127.0.0.1:{port}"
+    wait_http(base + "/v1/models", 300)
+    return HTTPServer("mlx_lm_server", base, str(model_dir), [server])
+
+
+def interleaved(contestants: list, measure: Callable, rounds: int, block: int, gap_s: float = 0.0) -> dict:
+    """Run `block` consecutive measurements on each contestant in turn, `rounds` times; samples by name.
+
+    The order of contestants rotates every round, so none is always first after another's work.
     """
-    body = {"model": model, "messages": PROMPT, "max_tokens": 1, "temperature": 0}
-    samples = []
-    with httpx.Client(base_url=base, timeout=120) as client:
-        for i in range(n + 3):
-            time.sleep(gap_s)
-            t0 = time.perf_counter()
-            response = client.post("/v1/chat/completions", json=body)
-            elapsed = time.perf_counter() - t0
-            response.raise_for_status()
-            if i >= 3:
-                samples.append(elapsed)
+    samples: dict[str, list[float]] = {c.name: [] for c in contestants}
+    for r in range(rounds):
+        for c in contestants[r % len(contestants):] + contestants[: r % len(contestants)]:
+            for _ in range(block):
+                time.sleep(gap_s)
+                samples[c.name].append(measure(c))
     return samples
-
-
-def http_decode(base: str, model: str, max_tokens: int, runs: int) -> list[float]:
-    """Decode tokens/s of a streamed chat: content chunks from the first to the last, wall clock."""
-    body = {"model": model, "messages": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    rates = []
-    with httpx.Client(base_url=base, timeout=600) as client:
-        for _ in range(runs + 1):
-            first = last = None
-            tokens = 0
-            with client.stream("POST", "/v1/chat/completions", json=body) as response:
-                for line in response.iter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    chunk = json.loads(line[6:])
-                    if chunk.get("usage"):
-                        tokens = chunk["usage"]["completion_tokens"]
-                    if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
-                        last = time.perf_counter()
-                        first = first or last
-            rates.append((tokens - 1) / (last - first))
-    return rates[1:]
 
 
 def summary(samples: list[float]) -> dict:
@@ -134,40 +179,10 @@ def summary(samples: list[float]) -> dict:
             "mean": statistics.fmean(samples)}
 
 
-def run_mlxq(model_dir: Path, redis_url: str, env_extra: dict, args) -> dict:
-    """Start worker + gunicorn on the model, measure, stop."""
-    port = free_port()
-    models_dir = Path(tempfile.mkdtemp(prefix="mlxq-bench-models-"))
-    (models_dir / "aliases.json").write_text(json.dumps({"bench": str(model_dir)}))
-    env = {**os.environ, "REDIS_URL": redis_url, "MLXQ_MODELS_DIR": str(models_dir), "MLXQ_DEFAULT_MODEL": "bench",
-           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **env_extra}
-    worker = Proc([sys.executable, "-m", "workers.main"], env, "worker").start()
-    web = Proc([sys.executable, "-m", "gunicorn", "-k", "gevent", "-w", "1", "-b", f"127.0.0.1:{port}",
-                "web.app:create_app()"], env, "web").start()
-    try:
-        base = f"http://127.0.0.1:{port}"
-        wait_http(base + "/ready", 300)
-        return {"latency_s": summary(http_latency(base, "bench", args.latency_n)),
-                "latency_spaced_s": summary(http_latency(base, "bench", args.latency_n, SPACING_S)),
-                "decode_tps": summary(http_decode(base, "bench", args.max_tokens, args.decode_runs))}
-    finally:
-        web.stop()
-        worker.stop()
-
-
-def run_mlx_lm_server(model_dir: Path, args) -> dict:
-    """Start mlx_lm.server on the model, measure, stop."""
-    port = free_port()
-    server = Proc([sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port", str(port)],
-                  dict(os.environ), "mlx_lm.server").start()
-    try:
-        base = f"http://127.0.0.1:{port}"
-        wait_http(base + "/v1/models", 300)
-        return {"latency_s": summary(http_latency(base, str(model_dir), args.latency_n)),
-                "latency_spaced_s": summary(http_latency(base, str(model_dir), args.latency_n, SPACING_S)),
-                "decode_tps": summary(http_decode(base, str(model_dir), args.max_tokens, args.decode_runs))}
-    finally:
-        server.stop()
+def added_ms(samples: dict, server: str) -> dict:
+    """What `server` adds over direct at p50 and p99, in milliseconds."""
+    s, d = summary(samples[server]), summary(samples["direct"])
+    return {"p50": 1000 * (s["p50"] - d["p50"]), "p99": 1000 * (s["p99"] - d["p99"])}
 
 
 def reexec_with_worker_blas() -> None:
@@ -181,42 +196,52 @@ def reexec_with_worker_blas() -> None:
 
 
 def main() -> None:
-    """Run every measurement and print the report."""
+    """Start every contestant, run the interleaved measurements and print the report."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True, help="an MLX model directory")
-    parser.add_argument("--latency-n", type=int, default=50)
+    parser.add_argument("--latency-n", type=int, default=100, help="1-token calls per contestant and pattern")
+    parser.add_argument("--gap-ms", type=float, default=20.0,
+                        help="pause before each alternating call, so that no contestant's leftover work overlaps it")
+    parser.add_argument("--burst", type=int, default=10, help="back-to-back calls per contestant in a burst block")
     parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--decode-runs", type=int, default=3)
+    parser.add_argument("--decode-runs", type=int, default=5, help="decode runs per contestant")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     reexec_with_worker_blas()
+    report = {"machine": platform.node(), "platform": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M"),
+              "model": str(args.model), "max_tokens": args.max_tokens, "command": " ".join(sys.argv)}
     redis_url, redis_proc = start_redis()
-    env_extra = {}
+    contestants = []
     try:
-        report = {"machine": platform.node(), "platform": platform.platform(), "date": time.strftime("%Y-%m-%d"),
-                  "model": str(args.model), "max_tokens": args.max_tokens}
-        import mlx_lm
-
         model_dir = same_weights_everywhere(args.model)
         report["model_as_run"] = str(model_dir)
-        model, tokenizer = mlx_lm.load(str(model_dir))
-        report["direct_latency_s"] = summary(direct_latency(model, tokenizer, args.latency_n))
-        report["direct_latency_spaced_s"] = summary(direct_latency(model, tokenizer, args.latency_n, SPACING_S))
-        report["direct_decode_tps"] = summary(direct_decode(model, tokenizer, args.max_tokens, args.decode_runs))
-        report["mlxq"] = run_mlxq(model_dir, redis_url, env_extra, args)
-        report["mlx_lm_server"] = run_mlx_lm_server(model_dir, args)
-        # Measured again at the end: how much the machine itself drifted during the run.
-        report["direct_decode_tps_after"] = summary(direct_decode(model, tokenizer, args.max_tokens,
-                                                                  args.decode_runs))
+        contestants.append(Direct(model_dir))
+        contestants.append(start_mlxq(model_dir, redis_url))
+        contestants.append(start_mlx_lm_server(model_dir))
+        interleaved(contestants, lambda c: c.one_token(), 1, WARMUP)
+        one_token = lambda c: c.one_token()  # noqa: E731
+        # Alternating: one call to each in turn after a pause, so every call finds an idle machine.
+        alternating = interleaved(contestants, one_token, args.latency_n, 1, args.gap_ms / 1000)
+        # Bursts: back-to-back calls, so a call may find the server still busy with the previous one.
+        bursts = interleaved(contestants, one_token, max(1, args.latency_n // args.burst), args.burst)
+        decode = interleaved(contestants, lambda c: c.decode(args.max_tokens), args.decode_runs, 1)
     finally:
+        for c in contestants:
+            c.close()
         redis_proc.stop()
-    d, s = report["direct_latency_s"], report["mlxq"]["latency_s"]
-    report["added_latency_ms"] = {"p50": 1000 * (s["p50"] - d["p50"]), "p99": 1000 * (s["p99"] - d["p99"])}
-    d, s = report["direct_latency_spaced_s"], report["mlxq"]["latency_spaced_s"]
-    report["added_latency_spaced_ms"] = {"p50": 1000 * (s["p50"] - d["p50"]), "p99": 1000 * (s["p99"] - d["p99"])}
-    direct_tps = max(report["direct_decode_tps"]["p50"], report["direct_decode_tps_after"]["p50"])
-    report["decode_ratio_vs_direct"] = {"mlxq": report["mlxq"]["decode_tps"]["p50"] / direct_tps,
-                                        "mlx_lm_server": report["mlx_lm_server"]["decode_tps"]["p50"] / direct_tps}
+    for name in ("direct", "mlxq", "mlx_lm_server"):
+        report[name] = {"latency_alternating_s": summary(alternating[name]),
+                        "latency_burst_s": summary(bursts[name]), "decode_tps": summary(decode[name]),
+                        "decode_tps_runs": decode[name]}
+    report["added_latency_ms"] = {
+        pattern: {server: added_ms(samples, server) for server in ("mlxq", "mlx_lm_server")}
+        for pattern, samples in (("alternating", alternating), ("burst", bursts))}
+    direct_tps = statistics.median(decode["direct"])
+    report["decode_ratio_vs_direct"] = {
+        server: {"of_medians": statistics.median(decode[server]) / direct_tps,
+                 # Each run against the direct run of the same round: drift cancels out.
+                 "paired_median": statistics.median(s / d for s, d in zip(decode[server], decode["direct"], strict=True))}
+        for server in ("mlxq", "mlx_lm_server")}
     write_report(report, args.out)
 
 
