@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import signal
 import socket
@@ -38,6 +37,7 @@ from jobs.store import ModelNotFound, resolve
 from workers import platform
 from workers.recovery import clean_spool, recover_batch_jobs
 from workers.registry import ModelTooLarge
+from workers.rqworker import Worker
 
 log = logging.getLogger("workers.main")
 
@@ -52,8 +52,6 @@ SWITCH_INTERVAL_S = 0.0005
 """GIL switch interval: the job thread (Redis I/O) and the engine thread (MLX) hand the GIL back and
 forth at every token; Python's 5 ms default makes each hand-off wait up to 5 ms."""
 
-BARE_HEARTBEAT_GAP_S = 1.0
-"""RQ's own worker heartbeats closer together than this are skipped (its TTL is minutes)."""
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -217,34 +215,6 @@ def _exit_before_work(signum, frame) -> None:
     log.info("SIGTERM before taking jobs: exiting")
     logging.shutdown()
     os._exit(0)
-
-
-class Worker(SimpleWorker):
-    """RQ's SimpleWorker with fewer Redis round trips between two jobs.
-
-    RQ sends a bare worker heartbeat (three commands, three round trips) before and after every
-    dequeue and after every job; on a 1-token chat those are a large part of the time the service
-    adds. Here a bare heartbeat is one pipelined round trip, and is skipped when one went out less
-    than BARE_HEARTBEAT_GAP_S ago (the worker key lives for minutes; our Heartbeat thread also
-    beats during jobs). Heartbeats RQ sends inside its own pipelines are untouched.
-    """
-
-    log_result_lifespan = False  # "result is kept for N seconds" on every job says nothing new
-
-    _last_bare_heartbeat = -math.inf
-
-    def heartbeat(self, timeout: int | None = None, pipeline=None):
-        """Refresh the worker key: pipelined, and at most once per BARE_HEARTBEAT_GAP_S when bare."""
-        if pipeline is not None:
-            return super().heartbeat(timeout, pipeline)
-        now = time.monotonic()
-        if timeout is None and now - self._last_bare_heartbeat < BARE_HEARTBEAT_GAP_S:
-            return None
-        with self.connection.pipeline(transaction=False) as pipe:
-            super().heartbeat(timeout, pipe)
-            pipe.execute()
-        self._last_bare_heartbeat = now
-        return None
 
 
 def build_worker(settings: Settings, name: str | None) -> Worker:

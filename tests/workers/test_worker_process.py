@@ -1,4 +1,4 @@
-"""The worker: its job functions under a real RQ SimpleWorker, and the real `python -m workers.main` process."""
+"""The worker: its job functions under its real RQ worker class, and the real `python -m workers.main` process."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import time
 import uuid
 
 import pytest
-from rq import SimpleWorker
 from rq.job import JobStatus
 from rq.serializers import JSONSerializer
 
@@ -24,6 +23,7 @@ from tests.conftest import REPO, wait_until
 from workers import tasks
 from workers.engine import Runtime
 from workers.main import host_identity, worker_is_dead
+from workers.rqworker import Worker
 
 MODEL = "smollm2-135m"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -65,7 +65,7 @@ def demo_model(models_dir):
     return models_dir
 
 
-# --- the job functions, in this process, under a real SimpleWorker in burst mode ---------------------
+# --- the job functions, in this process, under the worker's RQ class in burst mode --------------------
 
 @pytest.fixture(scope="module")
 def runtime(demo_model):
@@ -78,9 +78,9 @@ def runtime(demo_model):
 
 
 def burst(conn):
-    """Run every queued job with a real SimpleWorker, then return."""
+    """Run every queued job with the worker's RQ class (a SimpleWorker), then return."""
     queues = [get_queue(q, conn) for q in (INTERACTIVE, BATCH)]
-    SimpleWorker(queues, connection=conn, serializer=JSONSerializer).work(burst=True)
+    Worker(queues, connection=conn, serializer=JSONSerializer).work(burst=True)
 
 
 def test_chat_job_publishes_deltas_then_done(runtime, redis_conn, settings):

@@ -1,0 +1,65 @@
+"""The GPU worker's RQ class on a real Redis: batching its round trips changes nothing RQ records."""
+
+from __future__ import annotations
+
+from rq import get_current_job
+from rq.job import Job, JobStatus
+from rq.registry import StartedJobRegistry
+from rq.serializers import JSONSerializer
+
+from jobs.queues import BATCH, INTERACTIVE, enqueue, get_queue, new_job_id
+from workers.rqworker import Worker
+
+SNAPSHOT = "tests.workers.test_rqworker.snapshot"
+
+
+def snapshot(payload: dict) -> dict:
+    """Job function: what Redis says about this job and its worker while the job runs."""
+    job = get_current_job()
+    conn = job.connection
+    stored = Job.fetch(job.id, connection=conn, serializer=JSONSerializer)
+    started = StartedJobRegistry(job.origin, connection=conn, serializer=JSONSerializer)
+    return {"status": stored.get_status(), "worker_name": stored.worker_name,
+            "started_at_set": stored.started_at is not None,
+            "in_started_registry": job.id in started.get_job_ids(),
+            "worker_state": conn.hget(payload["worker_key"], "state").decode(),
+            "job_key_ttl": conn.ttl(job.key), "echo": payload["n"]}
+
+
+def test_jobs_run_with_rq_state_as_plain_rq_records_it(redis_conn, settings):
+    worker = Worker([get_queue(q, redis_conn) for q in (INTERACTIVE, BATCH)], connection=redis_conn,
+                    serializer=JSONSerializer, name=f"test-{new_job_id('w')}")
+    ids = []
+    for n in range(3):
+        job_id = new_job_id("snap")
+        enqueue(redis_conn, settings, INTERACTIVE, SNAPSHOT, {"n": n, "worker_key": worker.key}, job_id)
+        ids.append(job_id)
+
+    assert worker.work(burst=True)
+
+    for n, job_id in enumerate(ids):
+        job = Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer)
+        seen = job.return_value()
+        # While it ran: started, owned by this worker, in the started registry, the worker busy,
+        # the job key persisted (RQ removes its TTL for the run).
+        assert seen == {"status": JobStatus.STARTED, "worker_name": worker.name, "started_at_set": True,
+                        "in_started_registry": True, "worker_state": "busy", "job_key_ttl": -1, "echo": n}
+        # Afterwards: finished, out of the started registry, with its result kept.
+        assert job.get_status() == JobStatus.FINISHED
+        assert job_id not in StartedJobRegistry(INTERACTIVE, connection=redis_conn).get_job_ids()
+    assert worker._prepared_job_id is None, "every skipped second preparation was consumed"
+
+
+def test_bare_heartbeats_are_pipelined_and_spaced(redis_conn):
+    worker = Worker([get_queue(INTERACTIVE, redis_conn)], connection=redis_conn, serializer=JSONSerializer)
+    worker.register_birth()
+    redis_conn.hdel(worker.key, "last_heartbeat")
+    worker.heartbeat()
+    first = redis_conn.hget(worker.key, "last_heartbeat")
+    assert first is not None and redis_conn.ttl(worker.key) > 0
+    redis_conn.hdel(worker.key, "last_heartbeat")
+    worker.heartbeat()  # within BARE_HEARTBEAT_GAP_S of the last one: skipped
+    assert redis_conn.hget(worker.key, "last_heartbeat") is None
+    worker.heartbeat(timeout=120)  # an explicit timeout always goes out
+    assert redis_conn.hget(worker.key, "last_heartbeat") is not None
+    assert 0 < redis_conn.ttl(worker.key) <= 120
