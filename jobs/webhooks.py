@@ -209,3 +209,20 @@ def settle(connection: redis.Redis, settings: Settings, job_id: str) -> bool:
     if record.get("webhook_url"):
         enqueue_delivery(connection, settings, job_id)
     return True
+
+
+def finish_record(connection: redis.Redis, settings: Settings, job_id: str, status: str,
+                  error: dict | None = None, result: dict | None = None) -> None:
+    """Put a job's record (if it has one) in its terminal status, with its result, and enqueue its webhook.
+
+    Workers call it before publishing the terminal event: a client who sees `done` or `error`
+    and then reads the record must find it final.
+    """
+    record = records.load(connection, job_id)
+    if record is None:
+        return
+    if result is not None:
+        records.set_result(connection, settings, job_id, result)
+    records.set_status(connection, settings, job_id, status, error=error)
+    if record.get("webhook_url"):
+        enqueue_delivery(connection, settings, job_id)

@@ -26,7 +26,8 @@ from jobs.events import ERROR, EventPublisher
 from jobs.queues import BATCH, TRANSCRIPTION
 from jobs.settings import Settings
 from jobs.status import fetch_job, worker_is_alive
-from workers.speech_tasks import CONTINUATION_TIMEOUT_S, enqueue_continuation, finish_record, segments_key
+from jobs.webhooks import finish_record
+from workers.speech_tasks import CONTINUATION_TIMEOUT_S, enqueue_continuation, segments_key
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +89,8 @@ def _restart(conn: redis.Redis, settings: Settings, job: Job) -> str:
 def _give_up(conn: redis.Redis, settings: Settings, job_id: str, message: str, code: str) -> None:
     """Fail the logical job for good: error event, record, webhook, no checkpoint left."""
     error = {"message": message, "code": code, "status": 500}
+    finish_record(conn, settings, job_id, records.FAILED, error)  # before the event a client may act on
     EventPublisher(conn, settings.result_ttl_s, settings.event_log_max).publish(job_id, ERROR, error)
-    finish_record(conn, settings, job_id, records.FAILED, error)
     conn.delete(records.checkpoint_key(job_id), segments_key(job_id))
 
 

@@ -27,7 +27,7 @@ from jobs.events import DONE, ERROR, PROGRESS, SEGMENT, EventPublisher
 from jobs.queues import BATCH, INTERACTIVE, TRANSCRIPTION, get_queue
 from jobs.settings import Settings
 from jobs.store import ModelInfo, resolve
-from jobs.webhooks import enqueue_delivery
+from jobs.webhooks import finish_record
 from workers import speech
 from workers.audio import AudioError, probe
 from workers.engine import Canceled
@@ -86,12 +86,12 @@ class Transcription:
             chunks.close()
 
     def fail(self, exc: Exception) -> None:
-        """Publish the error event, mark the record failed (or canceled), notify the webhook."""
+        """Mark the record failed (or canceled), notify the webhook, publish the error event."""
         status, code, message = _describe(exc)
         error = {"message": message, "code": code, "status": status}
-        self.publisher.publish(self.job_id, ERROR, error)
         status_name = records.CANCELED if code == "canceled" else records.FAILED
         finish_record(self.conn, self.settings, self.job_id, status_name, error)
+        self.publisher.publish(self.job_id, ERROR, error)
         self.conn.delete(records.checkpoint_key(self.job_id), segments_key(self.job_id))  # nothing to resume
 
     def _start(self) -> speech.ResumeState | None:
@@ -163,9 +163,7 @@ class Transcription:
         """Store the result, mark the record succeeded, publish `done`, notify the webhook."""
         result = build_result(saved_segments(self.conn, self.job_id), state.language, self.total_s,
                               self.options.word_timestamps)
-        if records.load(self.conn, self.job_id) is not None:
-            records.set_result(self.conn, self.settings, self.job_id, result)
-        finish_record(self.conn, self.settings, self.job_id, records.SUCCEEDED)
+        finish_record(self.conn, self.settings, self.job_id, records.SUCCEEDED, result=result)
         self.publisher.publish(self.job_id, DONE, {"result": result})
         self.conn.delete(records.checkpoint_key(self.job_id), segments_key(self.job_id))
         return result
@@ -211,16 +209,6 @@ def enqueue_continuation(conn: redis.Redis, settings: Settings, payload: dict, j
         ttl=settings.result_ttl_s, description=f"{func.rsplit('.', 1)[-1]} {job_id} (continuation {number})",
         meta={"job_id": job_id, "continuation": number},
     )
-
-
-def finish_record(conn: redis.Redis, settings: Settings, job_id: str, status: str, error: dict | None = None):
-    """Put the record (if the job has one) in its terminal status and enqueue its webhook."""
-    record = records.load(conn, job_id)
-    if record is None:
-        return
-    records.set_status(conn, settings, job_id, status, error=error)
-    if record.get("webhook_url"):
-        enqueue_delivery(conn, settings, job_id)
 
 
 def verbose_segment(seg: dict) -> dict:

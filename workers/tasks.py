@@ -16,10 +16,10 @@ from rq import get_current_job
 from rq.timeouts import JobTimeoutException
 
 from jobs import keys, records
-from jobs.events import DELTA, DONE, EventPublisher
+from jobs.events import DELTA, DONE, ERROR, EventPublisher
 from jobs.settings import load_settings
 from jobs.store import ModelInfo, ModelNotFound, resolve
-from jobs.webhooks import settle
+from jobs.webhooks import finish_record
 from workers.engine import Canceled, Runtime
 from workers.registry import ModelTooLarge
 from workers.text import ContextLengthExceeded, Sampling
@@ -85,13 +85,15 @@ def _run_text_job(payload: dict, prompts: list) -> dict:
         done, last_delta = _generate_all(runtime, publisher, job, payload, prompts)
     except BaseException as exc:  # SystemExit too: the client must still get a terminal event
         status, code, message = describe_error(exc)
-        publisher.error(job.id, message, code, status=status)
-        if is_async:
-            settle(job.connection, runtime.settings, job.id)
+        error = {"message": message, "code": code, "status": status}
+        if is_async:  # the record first: a client who sees the event may read it at once
+            finish_record(job.connection, runtime.settings, job.id,
+                          records.CANCELED if code == "canceled" else records.FAILED, error)
+        publisher.publish(job.id, ERROR, error)
         raise
-    publisher.publish_many(job.id, [*last_delta, (DONE, done)])  # one round trip for the answer
     if is_async:
-        settle(job.connection, runtime.settings, job.id)  # record the result, send the webhook
+        finish_record(job.connection, runtime.settings, job.id, records.SUCCEEDED, result=done)
+    publisher.publish_many(job.id, [*last_delta, (DONE, done)])  # one round trip for the answer
     return done
 
 
