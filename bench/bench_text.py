@@ -134,19 +134,19 @@ class HTTPServer:
             proc.stop()
 
 
-def start_mlxq(model_dir: Path, redis_url: str) -> HTTPServer:
+def start_mlxq(model_dir: Path, redis_url: str, name: str = "mlxq", env_extra: dict | None = None) -> HTTPServer:
     """Start the worker and gunicorn (gevent) on the model; return once /ready answers."""
     port = free_port()
     models_dir = Path(tempfile.mkdtemp(prefix="mlxq-bench-models-"))
     (models_dir / "aliases.json").write_text(json.dumps({"bench": str(model_dir)}))
     env = {**os.environ, "REDIS_URL": redis_url, "MLXQ_MODELS_DIR": str(models_dir), "MLXQ_DEFAULT_MODEL": "bench",
-           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    worker = Proc([sys.executable, "-m", "workers.main"], env, "worker").start()
+           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env_extra or {})}
+    worker = Proc([sys.executable, "-m", "workers.main"], env, f"{name}-worker").start()
     web = Proc([sys.executable, "-m", "gunicorn", "-k", "gevent", "-w", "1", "-b", f"127.0.0.1:{port}",
-                "web.app:create_app()"], env, "web").start()
+                "web.app:create_app()"], env, f"{name}-web").start()
     base = f"http://127.0.0.1:{port}"
     wait_http(base + "/ready", 300)
-    return HTTPServer("mlxq", base, "bench", [worker, web])
+    return HTTPServer(name, base, "bench", [worker, web])
 
 
 def start_mlx_lm_server(model_dir: Path) -> HTTPServer:
@@ -180,9 +180,13 @@ def summary(samples: list[float]) -> dict:
 
 
 def added_ms(samples: dict, server: str) -> dict:
-    """What `server` adds over direct at p50 and p99, in milliseconds."""
+    """What `server` adds over direct, in milliseconds: the difference of the percentiles, and the
+    percentiles of the per-call differences (call i of the server minus call i of direct, made in
+    the same round, moments apart: the machine's drift cancels out)."""
     s, d = summary(samples[server]), summary(samples["direct"])
-    return {"p50": 1000 * (s["p50"] - d["p50"]), "p99": 1000 * (s["p99"] - d["p99"])}
+    paired = [a - b for a, b in zip(samples[server], samples["direct"], strict=True)]
+    return {"p50": 1000 * (s["p50"] - d["p50"]), "p99": 1000 * (s["p99"] - d["p99"]),
+            "paired_p50": 1000 * percentile(paired, 50), "paired_p99": 1000 * percentile(paired, 99)}
 
 
 def reexec_with_worker_blas() -> None:
@@ -205,6 +209,8 @@ def main() -> None:
     parser.add_argument("--burst", type=int, default=10, help="back-to-back calls per contestant in a burst block")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--decode-runs", type=int, default=5, help="decode runs per contestant")
+    parser.add_argument("--also-stream-interval-ms", type=int, default=None,
+                        help="also run a second mlxq with this MLXQ_STREAM_INTERVAL_MS (own Redis database)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     reexec_with_worker_blas()
@@ -218,6 +224,11 @@ def main() -> None:
         contestants.append(Direct(model_dir))
         contestants.append(start_mlxq(model_dir, redis_url))
         contestants.append(start_mlx_lm_server(model_dir))
+        if args.also_stream_interval_ms is not None:
+            # Its own Redis database: two workers on one queue would take each other's jobs.
+            ms = args.also_stream_interval_ms
+            contestants.append(start_mlxq(model_dir, redis_url.rsplit("/", 1)[0] + "/1", f"mlxq_interval_{ms}ms",
+                                          {"MLXQ_STREAM_INTERVAL_MS": str(ms)}))
         interleaved(contestants, lambda c: c.one_token(), 1, WARMUP)
         one_token = lambda c: c.one_token()  # noqa: E731
         # Alternating: one call to each in turn after a pause, so every call finds an idle machine.
@@ -229,19 +240,21 @@ def main() -> None:
         for c in contestants:
             c.close()
         redis_proc.stop()
-    for name in ("direct", "mlxq", "mlx_lm_server"):
+    servers = [c.name for c in contestants if c.name != "direct"]
+    for name in ["direct", *servers]:
         report[name] = {"latency_alternating_s": summary(alternating[name]),
                         "latency_burst_s": summary(bursts[name]), "decode_tps": summary(decode[name]),
-                        "decode_tps_runs": decode[name]}
+                        "decode_tps_runs": decode[name],
+                        "samples_s": {"alternating": alternating[name], "burst": bursts[name]}}
     report["added_latency_ms"] = {
-        pattern: {server: added_ms(samples, server) for server in ("mlxq", "mlx_lm_server")}
+        pattern: {server: added_ms(samples, server) for server in servers}
         for pattern, samples in (("alternating", alternating), ("burst", bursts))}
     direct_tps = statistics.median(decode["direct"])
     report["decode_ratio_vs_direct"] = {
         server: {"of_medians": statistics.median(decode[server]) / direct_tps,
                  # Each run against the direct run of the same round: drift cancels out.
                  "paired_median": statistics.median(s / d for s, d in zip(decode[server], decode["direct"], strict=True))}
-        for server in ("mlxq", "mlx_lm_server")}
+        for server in servers}
     write_report(report, args.out)
 
 
