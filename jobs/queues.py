@@ -56,8 +56,9 @@ def enqueue(
 ):
     """Enqueue `func(payload)` with an explicit id and TTLs; raise QueueFull when over the limit."""
     queue = get_queue(queue_name, connection)
-    if len(queue) >= settings.max_queued:
-        raise QueueFull(f"queue {queue_name!r} holds {len(queue)} jobs (limit {settings.max_queued})")
+    queued = len(queue)
+    if queued >= settings.max_queued:
+        raise QueueFull(f"queue {queue_name!r} holds {queued} jobs (limit {settings.max_queued})")
     # One pipeline: RQ alone would register the queue and then save and push the job in two round
     # trips, and every round trip is on the latency of a synchronous call.
     with connection.pipeline() as pipe:

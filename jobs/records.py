@@ -22,6 +22,11 @@ QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELED = "queued", "running", "succeeded",
 STATUSES = (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELED)
 TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELED})
 
+
+def status_of_error(error: dict) -> str:
+    """The terminal status of a job that ended with this error event's data: canceled or failed."""
+    return CANCELED if error.get("code") == "canceled" else FAILED
+
 JOBS_INDEX = f"{keys.PREFIX}:jobs"
 """Sorted set of every job id, scored by creation time (listing, newest first)."""
 

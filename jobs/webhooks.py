@@ -190,24 +190,20 @@ def enqueue_delivery(connection: redis.Redis, settings: Settings, job_id: str):
 def settle(connection: redis.Redis, settings: Settings, job_id: str) -> bool:
     """Record the outcome of a job whose terminal event is logged but whose record is not final.
 
-    For jobs whose function knows nothing of records (async chat): called by readers and by the
-    worker's after-job hook. Enqueues the webhook once. Returns True when it changed the record.
+    Workers finish records themselves (finish_record); readers call this for a job that ended
+    without its worker doing so (its worker died and a reader published the error). Enqueues the
+    webhook once. Returns True when it changed the record.
     """
     record = records.get(connection, job_id)
     if record is None or record["status"] in records.TERMINAL or not has_ended(connection, job_id):
         return False
     raw = connection.lindex(keys.event_log(job_id), -1)  # the terminal event is always the last one
     terminal = decode(raw) if raw else {"type": "error", "data": {"message": "The job's events expired."}}
+    data = terminal["data"]
     if terminal["type"] != DONE:
-        error = terminal["data"]
-        status = "canceled" if error.get("code") == "canceled" else "failed"
-        records.set_status(connection, settings, job_id, status, error=error)
+        _finish(connection, settings, job_id, record, records.status_of_error(data), error=data)
     else:
-        data = terminal["data"]
-        records.set_result(connection, settings, job_id, data.get("result", data))
-        records.set_status(connection, settings, job_id, "succeeded")
-    if record.get("webhook_url"):
-        enqueue_delivery(connection, settings, job_id)
+        _finish(connection, settings, job_id, record, records.SUCCEEDED, result=data.get("result", data))
     return True
 
 
@@ -219,8 +215,13 @@ def finish_record(connection: redis.Redis, settings: Settings, job_id: str, stat
     and then reads the record must find it final.
     """
     record = records.load(connection, job_id)
-    if record is None:
-        return
+    if record is not None:
+        _finish(connection, settings, job_id, record, status, error, result)
+
+
+def _finish(connection: redis.Redis, settings: Settings, job_id: str, record: dict, status: str,
+            error: dict | None = None, result: dict | None = None) -> None:
+    """Write an existing record's result and terminal status; enqueue its webhook if it has one."""
     if result is not None:
         records.set_result(connection, settings, job_id, result)
     records.set_status(connection, settings, job_id, status, error=error)

@@ -53,7 +53,6 @@ SWITCH_INTERVAL_S = 0.0005
 forth at every token; Python's 5 ms default makes each hand-off wait up to 5 ms."""
 
 
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """Command-line options (everything else comes from settings / the environment)."""
     parser = argparse.ArgumentParser(prog="mlxq worker", description=__doc__.splitlines()[0])

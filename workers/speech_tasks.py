@@ -89,8 +89,7 @@ class Transcription:
         """Mark the record failed (or canceled), notify the webhook, publish the error event."""
         status, code, message = _describe(exc)
         error = {"message": message, "code": code, "status": status}
-        status_name = records.CANCELED if code == "canceled" else records.FAILED
-        finish_record(self.conn, self.settings, self.job_id, status_name, error)
+        finish_record(self.conn, self.settings, self.job_id, records.status_of_error(error), error)
         self.publisher.publish(self.job_id, ERROR, error)
         self.conn.delete(records.checkpoint_key(self.job_id), segments_key(self.job_id))  # nothing to resume
 

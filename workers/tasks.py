@@ -87,8 +87,7 @@ def _run_text_job(payload: dict, prompts: list) -> dict:
         status, code, message = describe_error(exc)
         error = {"message": message, "code": code, "status": status}
         if is_async:  # the record first: a client who sees the event may read it at once
-            finish_record(job.connection, runtime.settings, job.id,
-                          records.CANCELED if code == "canceled" else records.FAILED, error)
+            finish_record(job.connection, runtime.settings, job.id, records.status_of_error(error), error)
         publisher.publish(job.id, ERROR, error)
         raise
     if is_async:
@@ -149,7 +148,7 @@ def _generate_choice(runtime: Runtime, publisher: EventPublisher, job, index: in
             delta = "".join(piece.text for piece in batch)
             parts.append(delta)
             final = batch[-1]
-            if final.finish_reason:
+            if final.final:
                 last_delta = delta
                 break
             if delta and publisher.publish_many(job.id, [(DELTA, {"index": index, "text": delta})])[1]:
