@@ -56,11 +56,9 @@ def enqueue(
 ):
     """Enqueue `func(payload)` with an explicit id and TTLs; raise QueueFull when over the limit."""
     queue = get_queue(queue_name, connection)
-    queued = len(queue)
-    if queued >= settings.max_queued:
-        raise QueueFull(f"queue {queue_name!r} holds {queued} jobs (limit {settings.max_queued})")
-    # One pipeline: RQ alone would register the queue and then save and push the job in two round
-    # trips, and every round trip is on the latency of a synchronous call.
+    # One transaction: RQ alone would register the queue and then save and push the job in two round
+    # trips, and the limit would need a third; every round trip is on a synchronous call's latency.
+    # So the job goes in first and the length after it decides; a job over the limit is taken back.
     with connection.pipeline() as pipe:
         job = queue.enqueue(
             func,
@@ -75,5 +73,16 @@ def enqueue(
             meta=meta or {},
             pipeline=pipe,
         )
-        pipe.execute()
+        pipe.llen(queue.key)
+        queued = pipe.execute()[-1]
+    if queued > settings.max_queued and _take_back(connection, queue, job):
+        raise QueueFull(f"queue {queue_name!r} holds {queued - 1} jobs (limit {settings.max_queued})")
     return job
+
+
+def _take_back(connection: redis.Redis, queue: Queue, job) -> bool:
+    """Remove a just-enqueued job from its queue and Redis; False if a worker already took it (it runs)."""
+    if not connection.lrem(queue.key, 1, job.id):
+        return False
+    job.delete(remove_from_queue=False)
+    return True

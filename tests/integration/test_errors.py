@@ -112,11 +112,22 @@ def test_redis_unreachable_is_503_with_retry_after():
     assert client.get("/ready").status_code == 503
 
 
-def test_queue_over_its_limit_is_503(redis_url):
-    client = create_app({"redis_url": redis_url, "max_queued": 0}).test_client()
+def test_queue_over_its_limit_is_503_and_the_refused_job_leaves_no_trace(redis_url):
+    # Database 6 has no worker draining it: the first job stays queued (its caller gets a 504).
+    url = redis_url.rsplit("/", 1)[0] + "/6"
+    conn = redis.Redis.from_url(url)
+    conn.flushdb()
+    client = create_app({"redis_url": url, "max_queued": 1, "sync_timeout_s": 0.2}).test_client()
+    first = client.post("/v1/chat/completions", json={"model": MODEL, "messages": QUESTION})
+    queued = assert_envelope(first, 504, code="timeout")["error"]["job_id"]
+
     response = client.post("/v1/chat/completions", json={"model": MODEL, "messages": QUESTION})
-    assert_envelope(response, 503, code="queue_full")
+    body = assert_envelope(response, 503, code="queue_full")
     assert response.headers["Retry-After"]
+    assert "holds 1 jobs (limit 1)" in body["error"]["message"]
+    # The refused job was taken back whole: only the first is queued, and no other job hash exists.
+    assert conn.lrange("rq:queue:interactive", 0, -1) == [queued.encode()]
+    assert conn.keys("rq:job:*") == [f"rq:job:{queued}".encode()]
 
 
 def test_sync_call_past_its_limit_is_504_with_job_id(redis_url):
