@@ -199,6 +199,19 @@ def reexec_with_worker_blas() -> None:
         os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
+def other_mlxq_settings(args) -> list[dict]:
+    """The environment of each additional mlxq the command line asks for."""
+    extra = [dict(pair.split("=", 1) for pair in spec.split(",")) for spec in args.also]
+    if args.also_stream_interval_ms is not None:
+        extra.append({"MLXQ_STREAM_INTERVAL_MS": str(args.also_stream_interval_ms)})
+    return extra
+
+
+def mlxq_name(env: dict) -> str:
+    """A report key for an mlxq run with these settings, e.g. mlxq_stream_interval_ms_0."""
+    return "mlxq_" + "_".join(f"{k.removeprefix('MLXQ_').lower()}_{v}" for k, v in env.items())
+
+
 def main() -> None:
     """Start every contestant, run the interleaved measurements and print the report."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -209,8 +222,10 @@ def main() -> None:
     parser.add_argument("--burst", type=int, default=10, help="back-to-back calls per contestant in a burst block")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--decode-runs", type=int, default=5, help="decode runs per contestant")
+    parser.add_argument("--also", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
+                        help="also run another mlxq with these environment settings (repeatable)")
     parser.add_argument("--also-stream-interval-ms", type=int, default=None,
-                        help="also run a second mlxq with this MLXQ_STREAM_INTERVAL_MS (own Redis database)")
+                        help="the same as --also MLXQ_STREAM_INTERVAL_MS=N")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     reexec_with_worker_blas()
@@ -224,11 +239,9 @@ def main() -> None:
         contestants.append(Direct(model_dir))
         contestants.append(start_mlxq(model_dir, redis_url))
         contestants.append(start_mlx_lm_server(model_dir))
-        if args.also_stream_interval_ms is not None:
+        for db, env in enumerate(other_mlxq_settings(args), start=1):
             # Its own Redis database: two workers on one queue would take each other's jobs.
-            ms = args.also_stream_interval_ms
-            contestants.append(start_mlxq(model_dir, redis_url.rsplit("/", 1)[0] + "/1", f"mlxq_interval_{ms}ms",
-                                          {"MLXQ_STREAM_INTERVAL_MS": str(ms)}))
+            contestants.append(start_mlxq(model_dir, f"{redis_url.rsplit('/', 1)[0]}/{db}", mlxq_name(env), env))
         interleaved(contestants, lambda c: c.one_token(), 1, WARMUP)
         one_token = lambda c: c.one_token()  # noqa: E731
         # Alternating: one call to each in turn after a pause, so every call finds an idle machine.
