@@ -1,0 +1,117 @@
+"""Where the added latency of a 1-token chat goes: timestamps through web, Redis, RQ and the worker.
+
+Starts mlxq (gunicorn+gevent and the worker) with bench/trace/ on PYTHONPATH, whose hooks append
+`job stage time` lines per process, sends N isolated 1-token chats (a pause before each, as the
+benchmark's alternating pattern does), and prints the median time between consecutive stages.
+
+    python bench/trace_text.py --model DIR [--n 150] [--gap-ms 20]
+
+A diagnostic, not a benchmark: the hooks themselves cost a few microseconds per stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from bench.bench_text import PROMPT  # noqa: E402
+from bench.common import Proc, free_port, percentile, start_redis, wait_http  # noqa: E402
+
+SPANS = [
+    ("HTTP in", "client_send", "web_request_in"),
+    ("parse, validate, resolve", "web_request_in", "web_enqueue_start"),
+    ("RQ builds the job", "web_enqueue_start", "web_job_built"),
+    ("to the worker (EXEC, BLPOP, HGETALL)", "web_job_built", "wk_dequeued"),
+    ("RQ prepares the job", "wk_dequeued", "wk_prepared"),
+    ("RQ calls the function", "wk_prepared", "wk_job_function"),
+    ("job set-up", "wk_job_function", "wk_generate"),
+    ("generation (as direct)", "wk_generate", "wk_publish_answer"),
+    ("publish, pub/sub to web", "wk_publish_answer", "web_got_done"),
+    ("response built", "web_got_done", "web_response_ready"),
+    ("HTTP out", "web_response_ready", "client_received"),
+]
+"""The critical path of a call, span by span: together they make up the whole call."""
+SIDE_SPANS = [("web's enqueue transaction", "web_job_built", "web_enqueue_done"),
+              ("worker's publish call", "wk_publish_answer", "wk_published")]
+"""Spans that overlap the critical path."""
+
+
+def start_traced_mlxq(model_dir: Path, redis_url: str, trace_dir: Path) -> tuple[str, list[Proc]]:
+    """Start the worker and the web tier with the trace hooks; return the base URL and the processes."""
+    models_dir = Path(tempfile.mkdtemp(prefix="mlxq-trace-models-"))
+    (models_dir / "aliases.json").write_text(json.dumps({"bench": str(model_dir)}))
+    hooks = REPO / "bench" / "trace"
+    env = {**os.environ, "REDIS_URL": redis_url, "MLXQ_MODELS_DIR": str(models_dir), "MLXQ_DEFAULT_MODEL": "bench",
+           "MLXQ_TRACE_DIR": str(trace_dir),
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(hooks), os.environ.get("PYTHONPATH", "")])}
+    port = free_port()
+    worker = Proc([sys.executable, "-m", "workers.main"], {**env, "MLXQ_TRACE_ROLE": "worker"}, "trace-worker").start()
+    web = Proc([sys.executable, "-m", "gunicorn", "-k", "gevent", "-w", "1", "-c", str(hooks / "gunicorn_conf.py"),
+                "-b", f"127.0.0.1:{port}", "web.app:create_app()"], env, "trace-web").start()
+    base = f"http://127.0.0.1:{port}"
+    wait_http(base + "/ready", 300)
+    return base, [worker, web]
+
+
+def read_traces(trace_dir: Path) -> dict[str, dict[str, float]]:
+    """Every job's first time at each stage, from all processes' trace files."""
+    seen: dict[str, dict[str, float]] = collections.defaultdict(dict)
+    for path in trace_dir.glob("trace-*.txt"):
+        for line in path.read_text().splitlines():
+            job_id, stage, moment = line.split()
+            seen[job_id].setdefault(stage, float(moment))
+    return seen
+
+
+def main() -> None:
+    """Trace N calls and print the median milliseconds between consecutive stages."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--n", type=int, default=150)
+    parser.add_argument("--gap-ms", type=float, default=20.0)
+    args = parser.parse_args()
+    trace_dir = Path(tempfile.mkdtemp(prefix="mlxq-trace-"))
+    redis_url, redis_proc = start_redis()
+    procs = []
+    try:
+        base, procs = start_traced_mlxq(args.model, redis_url, trace_dir)
+        body = {"model": "bench", "messages": PROMPT, "max_tokens": 1, "temperature": 0}
+        with httpx.Client(base_url=base, timeout=60) as client:
+            for _ in range(10):  # warm-up, not traced below
+                client.post("/v1/chat/completions", json=body).raise_for_status()
+            traced = []
+            for _ in range(args.n):
+                time.sleep(args.gap_ms / 1000)
+                sent = time.time()
+                response = client.post("/v1/chat/completions", json=body)
+                received = time.time()
+                response.raise_for_status()
+                traced.append((response.json()["id"], sent, received))
+    finally:
+        for proc in procs:
+            proc.stop()
+        redis_proc.stop()
+    stages = read_traces(trace_dir)
+    rows = []
+    for job_id, sent, received in traced:
+        row = {**stages.get(job_id, {}), "client_send": sent, "client_received": received}
+        if all(stage in row for _, start, end in SPANS + SIDE_SPANS for stage in (start, end)):
+            rows.append(row)
+    print(f"{len(rows)} of {len(traced)} calls traced completely; ms: median (p10, p90)")
+    for label, start, end in SPANS + [("whole call", "client_send", "client_received")] + SIDE_SPANS:
+        gaps = [(row[end] - row[start]) * 1000 for row in rows]
+        print(f"  {label:<38} {statistics.median(gaps):7.3f}  ({percentile(gaps, 10):7.3f}, {percentile(gaps, 90):7.3f})")
+
+if __name__ == "__main__":
+    main()
