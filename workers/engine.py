@@ -99,10 +99,6 @@ class Stream:
             except queue.Empty:
                 return items
 
-    def __iter__(self) -> Iterator:
-        for batch in self.batches():
-            yield from batch
-
 
 def _ends(item: Any) -> bool:
     """Whether nothing the reader needs comes after this item."""
