@@ -48,10 +48,6 @@ RECOVERY_EVERY_S = 5.0
 SPOOL_CLEAN_EVERY_S = 3600.0
 """Seconds between removals of spooled uploads whose jobs ended long ago."""
 
-SWITCH_INTERVAL_S = 0.0005
-"""GIL switch interval: the job thread (Redis I/O) and the engine thread (MLX) hand the GIL back and
-forth at every token; Python's 5 ms default makes each hand-off wait up to 5 ms."""
-
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """Command-line options (everything else comes from settings / the environment)."""
@@ -208,8 +204,8 @@ def warm_default_model(runtime, settings: Settings) -> None:
 def _exit_before_work(signum, frame) -> None:
     """SIGTERM before the worker takes jobs: nothing to finish, so leave at once.
 
-    os._exit, not sys.exit: the engine thread may be mid-load, and an interpreter finalizing under a
-    running MLX thread can abort instead of exiting.
+    os._exit, not sys.exit: the model may be mid-load (MLX threads busy), and an interpreter
+    finalizing under running MLX work can abort instead of exiting.
     """
     log.info("SIGTERM before taking jobs: exiting")
     logging.shutdown()
@@ -238,7 +234,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     configure_logging()
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
     settings = load_settings()
     info = apply_platform_choice(argv)
     # Imported after the re-exec decision: mlx-lm and transformers take seconds to import.
@@ -259,7 +254,6 @@ def main(argv: list[str] | None = None) -> int:
         worker.work(burst=args.burst, logging_level="INFO")
     finally:
         heartbeat.stop()
-        runtime.engine.stop(timeout=5)
     return 0
 
 

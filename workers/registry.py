@@ -1,6 +1,6 @@
 """Resident models: loaded once, kept between jobs, evicted least-recently-used within a memory budget.
 
-Only the engine thread touches the registry (it owns MLX), so it needs no lock.
+Only the engine's thread (the worker's main thread, which owns MLX) touches the registry, so it needs no lock.
 """
 
 from __future__ import annotations

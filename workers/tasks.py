@@ -26,9 +26,6 @@ from workers.text import ContextLengthExceeded, Sampling
 
 _runtime: Runtime | None = None
 
-CANCEL_POLL_S = 0.5
-"""While nothing is generated (a long prompt being processed), how often the job looks for a cancel."""
-
 TEXT_KINDS = frozenset({"text"})
 """Model kinds the text job functions accept."""
 
@@ -128,23 +125,18 @@ def _generate_choice(runtime: Runtime, publisher: EventPublisher, job, index: in
     """Stream one choice's deltas; return (the choice, its final Piece, its last delta unpublished).
 
     Deltas go out at most one per settings.stream_interval_ms, each carrying every token generated
-    meanwhile: fewer Redis round trips, and fewer wake-ups competing with the engine for the GIL.
-    Each publish also reports a requested cancel, which closes the stream (the engine checks it at
-    every token). It returns as soon as the piece with the finish reason arrives, while the engine
-    may still be tidying up (mlx-lm has already started computing a token it will not use); the
-    text of that last batch is returned unpublished, for the caller to send with the next event
-    in one round trip.
+    meanwhile: fewer Redis round trips between tokens. Each publish also reports a requested
+    cancel, which closes the stream. It returns as soon as the piece with the finish reason
+    arrives, without letting mlx-lm finish the token it has already started computing; the text
+    of that last batch is returned unpublished, for the caller to send with the next event in one
+    round trip.
     """
     stream = runtime.generate_text(info, prompt, sampling)
     interval = runtime.settings.stream_interval_ms / 1000
     parts, final, last_delta = [], None, ""
     try:
-        # Asked while the job was queued? Checked here, while the engine already starts the prompt.
-        _raise_if_canceled(job, "before generation started")
-        for batch in stream.batches(interval=interval, idle=CANCEL_POLL_S):
-            if not batch:  # a long prefill or a slow model: nothing to publish, so ask Redis
-                _raise_if_canceled(job, "during prompt processing")
-                continue
+        _raise_if_canceled(job, "before generation started")  # asked while the job was queued
+        for batch in stream.batches(interval=interval):
             delta = "".join(piece.text for piece in batch)
             parts.append(delta)
             final = batch[-1]
@@ -154,7 +146,7 @@ def _generate_choice(runtime: Runtime, publisher: EventPublisher, job, index: in
             if delta and publisher.publish_many(job.id, [(DELTA, {"index": index, "text": delta})])[1]:
                 raise Canceled(f"canceled after {final.tokens} generated tokens")
     finally:
-        stream.close()  # whenever we leave early (cancel, timeout, Redis error), the engine stops
+        stream.close()  # whenever we leave (the end, a cancel, a timeout, a Redis error), generation stops
     choice = {"index": index, "text": "".join(parts), "finish_reason": final.finish_reason}
     return choice, final, last_delta
 

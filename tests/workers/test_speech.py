@@ -55,13 +55,12 @@ def wer(reference: str, hypothesis: str) -> float:
 
 @pytest.fixture(scope="module")
 def runtime(redis_url, models_dir):
-    """The worker's runtime (registry + engine thread) with the speech backend, installed for jobs."""
+    """The worker's runtime (registry + engine) with the speech backend, installed for jobs."""
     runtime = Runtime.create(load_settings({"redis_url": redis_url, "models_dir": models_dir}),
                              loaders={**default_loaders(), "speech": speech.load})
     tasks.set_runtime(runtime)
     yield runtime
     tasks.set_runtime(None)
-    runtime.engine.stop()
 
 
 @pytest.fixture(scope="module")

@@ -74,7 +74,6 @@ def runtime(demo_model):
     tasks.set_runtime(rt)
     yield rt
     tasks.set_runtime(None)
-    rt.engine.stop()
 
 
 def burst(conn):
