@@ -6,7 +6,9 @@ a bare worker heartbeat, three commands in three round trips, before and after e
 after every job, and prepares each job in two pipelines, one after the other. Here a bare
 heartbeat is one pipelined round trip, skipped when one went out less than BARE_HEARTBEAT_GAP_S
 ago (the worker key lives for minutes, and workers.main's Heartbeat thread beats during jobs), and
-the two preparation pipelines go out as one. What is written to Redis is unchanged.
+the two preparation pipelines go out as one, together with a read of the job's cancel flag (the
+job function would otherwise ask for it in a round trip of its own before generating). What is
+written to Redis is unchanged.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from rq.executions import Execution
 from rq.job import Job
 from rq.utils import now
 from rq.worker import WorkerStatus
+
+from jobs import keys
 
 BARE_HEARTBEAT_GAP_S = 1.0
 """RQ's own bare worker heartbeats closer together than this are skipped."""
@@ -46,7 +50,7 @@ class Worker(SimpleWorker):
         return None
 
     def prepare_execution(self, job: Job) -> Execution:
-        """RQ's execution record and the job's started state (prepare_job_execution), in one pipeline."""
+        """RQ's execution record, the job's started state and its cancel flag, in one pipeline."""
         with self.connection.pipeline() as pipeline:
             heartbeat_ttl = self.get_heartbeat_ttl(job)
             execution = Execution.create(job, heartbeat_ttl, pipeline=pipeline, worker_name=self.name)
@@ -58,7 +62,9 @@ class Worker(SimpleWorker):
             job.heartbeat(now(), heartbeat_ttl, pipeline=pipeline)
             job.prepare_for_execution(self.name, pipeline=pipeline)
             pipeline.persist(job.key)
-            pipeline.execute()
+            pipeline.exists(keys.cancel_flag(job.id))
+            canceled = pipeline.execute()[-1]
+        job.cancel_flag_at_start = bool(canceled)  # read by workers.tasks before it generates
         self._prepared_job_id = job.id
         return execution
 

@@ -152,8 +152,15 @@ def _generate_choice(runtime: Runtime, publisher: EventPublisher, job, index: in
 
 
 def _raise_if_canceled(job, when: str) -> None:
-    """Raise Canceled if a client asked to cancel the job."""
-    if job.connection.exists(keys.cancel_flag(job.id)):
+    """Raise Canceled if a client asked to cancel the job.
+
+    The first time, the answer the worker read while preparing the job is used (workers.rqworker),
+    which saves a Redis round trip before generation; later checks ask Redis.
+    """
+    known = getattr(job, "cancel_flag_at_start", None)
+    job.cancel_flag_at_start = None  # fresh only once
+    canceled = known if known is not None else job.connection.exists(keys.cancel_flag(job.id))
+    if canceled:
         raise Canceled(f"canceled {when}")
 
 

@@ -7,6 +7,7 @@ from rq.job import Job, JobStatus
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
+from jobs import keys
 from jobs.queues import BATCH, INTERACTIVE, enqueue, get_queue, new_job_id
 from workers.rqworker import Worker
 
@@ -23,7 +24,8 @@ def snapshot(payload: dict) -> dict:
             "started_at_set": stored.started_at is not None,
             "in_started_registry": job.id in started.get_job_ids(),
             "worker_state": conn.hget(payload["worker_key"], "state").decode(),
-            "job_key_ttl": conn.ttl(job.key), "echo": payload["n"]}
+            "job_key_ttl": conn.ttl(job.key), "echo": payload["n"],
+            "cancel_flag_at_start": getattr(job, "cancel_flag_at_start", None)}
 
 
 def test_jobs_run_with_rq_state_as_plain_rq_records_it(redis_conn, settings):
@@ -34,6 +36,7 @@ def test_jobs_run_with_rq_state_as_plain_rq_records_it(redis_conn, settings):
         job_id = new_job_id("snap")
         enqueue(redis_conn, settings, INTERACTIVE, SNAPSHOT, {"n": n, "worker_key": worker.key}, job_id)
         ids.append(job_id)
+    redis_conn.set(keys.cancel_flag(ids[1]), 1)  # a client gave up on the second while it was queued
 
     assert worker.work(burst=True)
 
@@ -42,8 +45,10 @@ def test_jobs_run_with_rq_state_as_plain_rq_records_it(redis_conn, settings):
         seen = job.return_value()
         # While it ran: started, owned by this worker, in the started registry, the worker busy,
         # the job key persisted (RQ removes its TTL for the run).
+        # The cancel flag was read in the same round trip, for the job function to use.
         assert seen == {"status": JobStatus.STARTED, "worker_name": worker.name, "started_at_set": True,
-                        "in_started_registry": True, "worker_state": "busy", "job_key_ttl": -1, "echo": n}
+                        "in_started_registry": True, "worker_state": "busy", "job_key_ttl": -1, "echo": n,
+                        "cancel_flag_at_start": n == 1}
         # Afterwards: finished, out of the started registry, with its result kept.
         assert job.get_status() == JobStatus.FINISHED
         assert job_id not in StartedJobRegistry(INTERACTIVE, connection=redis_conn).get_job_ids()
