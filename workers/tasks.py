@@ -20,7 +20,7 @@ from jobs.events import DELTA, DONE, ERROR, EventPublisher
 from jobs.settings import load_settings
 from jobs.store import ModelInfo, ModelNotFound, resolve
 from jobs.webhooks import finish_record
-from workers.engine import Canceled, Runtime
+from workers.engine import Canceled, Runtime, Stream
 from workers.registry import ModelTooLarge
 from workers.text import ContextLengthExceeded, Sampling
 
@@ -78,31 +78,45 @@ def _run_text_job(payload: dict, prompts: list) -> dict:
     is_async = bool(payload.get("job_id"))  # async chat (/v1/jobs) keeps a job record; sync calls do not
     if is_async:
         records.set_status(job.connection, runtime.settings, job.id, records.RUNNING)
+    finished: list[Stream] = []  # generations that gave their last piece; closed once the answer is out
     try:
-        done, last_delta = _generate_all(runtime, publisher, job, payload, prompts)
-    except BaseException as exc:  # SystemExit too: the client must still get a terminal event
-        status, code, message = describe_error(exc)
-        error = {"message": message, "code": code, "status": status}
-        if is_async:  # the record first: a client who sees the event may read it at once
-            finish_record(job.connection, runtime.settings, job.id, records.status_of_error(error), error)
-        publisher.publish(job.id, ERROR, error)
-        raise
-    if is_async:
-        finish_record(job.connection, runtime.settings, job.id, records.SUCCEEDED, result=done)
-    publisher.publish_many(job.id, [*last_delta, (DONE, done)])  # one round trip for the answer
-    return done
+        try:
+            done, last_delta = _generate_all(runtime, publisher, job, payload, prompts, finished)
+        except BaseException as exc:  # SystemExit too: the client must still get a terminal event
+            status, code, message = describe_error(exc)
+            error = {"message": message, "code": code, "status": status}
+            if is_async:  # the record first: a client who sees the event may read it at once
+                finish_record(job.connection, runtime.settings, job.id, records.status_of_error(error), error)
+            publisher.publish(job.id, ERROR, error)
+            raise
+        if is_async:
+            finish_record(job.connection, runtime.settings, job.id, records.SUCCEEDED, result=done)
+        publisher.publish_many(job.id, [*last_delta, (DONE, done)])  # one round trip for the answer
+        return done
+    finally:
+        for stream in finished:
+            # After the answer: closing ends mlx-lm's generator, which on Apple GPUs first waits for
+            # the token it computes ahead and that nobody will use.
+            stream.close()
 
 
-def _generate_all(runtime: Runtime, publisher: EventPublisher, job, payload: dict,
-                  prompts: list) -> tuple[dict, list]:
-    """Run every prompt in turn; return the `done` event's data and the last delta event, unpublished."""
+def _generate_all(runtime: Runtime, publisher: EventPublisher, job, payload: dict, prompts: list,
+                  finished: list) -> tuple[dict, list]:
+    """Run every prompt in turn; return the `done` event's data and the last delta event, unpublished.
+
+    Each prompt's generation, once it gave its last piece, is left open in `finished` for the caller
+    to close; the previous one is closed before the next prompt starts.
+    """
     info = resolve_text_model(payload.get("model"), runtime)
     sampling = Sampling.from_payload(payload)
     choices, prompt_tokens, completion_tokens, held = [], 0, 0, []
     for index, prompt in enumerate(prompts):
         if held and publisher.publish_many(job.id, held)[1]:
             raise Canceled(f"canceled after {index} of {len(prompts)} prompts")
-        choice, final, last_delta = _generate_choice(runtime, publisher, job, index, info, prompt, sampling)
+        while finished:
+            finished.pop().close()
+        choice, final, last_delta, stream = _generate_choice(runtime, publisher, job, index, info, prompt, sampling)
+        finished.append(stream)
         held = [(DELTA, {"index": index, "text": last_delta})] if last_delta else []
         choices.append(choice)
         prompt_tokens += final.prompt_tokens
@@ -122,14 +136,14 @@ def resolve_text_model(ref: str | None, runtime: Runtime) -> ModelInfo:
 
 def _generate_choice(runtime: Runtime, publisher: EventPublisher, job, index: int, info: ModelInfo,
                      prompt, sampling: Sampling):
-    """Stream one choice's deltas; return (the choice, its final Piece, its last delta unpublished).
+    """Stream one choice's deltas; return (the choice, its final Piece, its last delta unpublished,
+    the stream, which the caller closes).
 
     Deltas go out at most one per settings.stream_interval_ms, each carrying every token generated
     meanwhile: fewer Redis round trips between tokens. Each publish also reports a requested
-    cancel, which closes the stream. It returns as soon as the piece with the finish reason
-    arrives, without letting mlx-lm finish the token it has already started computing; the text
-    of that last batch is returned unpublished, for the caller to send with the next event in one
-    round trip.
+    cancel. It returns as soon as the piece with the finish reason arrives, without letting mlx-lm
+    finish the token it has already started computing; the text of that last batch is returned
+    unpublished, for the caller to send with the next event in one round trip.
     """
     stream = runtime.generate_text(info, prompt, sampling)
     interval = runtime.settings.stream_interval_ms / 1000
@@ -145,10 +159,11 @@ def _generate_choice(runtime: Runtime, publisher: EventPublisher, job, index: in
                 break
             if delta and publisher.publish_many(job.id, [(DELTA, {"index": index, "text": delta})])[1]:
                 raise Canceled(f"canceled after {final.tokens} generated tokens")
-    finally:
-        stream.close()  # whenever we leave (the end, a cancel, a timeout, a Redis error), generation stops
+    except BaseException:
+        stream.close()  # leaving early (a cancel, a timeout, a Redis error): generation stops here
+        raise
     choice = {"index": index, "text": "".join(parts), "finish_reason": final.finish_reason}
-    return choice, final, last_delta
+    return choice, final, last_delta, stream
 
 
 def _raise_if_canceled(job, when: str) -> None:

@@ -21,7 +21,7 @@ from jobs.settings import load_settings
 from jobs.status import fetch_job
 from tests.conftest import REPO, wait_until
 from workers import tasks
-from workers.engine import Runtime
+from workers.engine import Runtime, Stream
 from workers.main import host_identity, worker_is_dead
 from workers.rqworker import Worker
 
@@ -127,6 +127,22 @@ def test_failing_jobs_publish_an_error_and_fail(runtime, redis_conn, settings, m
     assert error["data"]["status"] == status and error["data"]["code"] == code
     assert "Traceback" not in error["data"]["message"]
     assert fetch_job(redis_conn, job_id).get_status() == JobStatus.FAILED
+
+
+def test_the_answer_goes_out_before_its_generation_is_closed(runtime, redis_conn, settings, monkeypatch):
+    # Closing mlx-lm's generator may wait for the token it computes ahead (Apple GPUs): not the client's wait.
+    job_id = new_job_id("chatcmpl")
+    events_at_close = []
+    close = Stream.close
+
+    def observed_close(stream):
+        events_at_close.append([e["type"] for e in read_log(redis_conn, job_id)])
+        close(stream)
+
+    monkeypatch.setattr(Stream, "close", observed_close)
+    enqueue(redis_conn, settings, INTERACTIVE, CHAT_COMPLETION, chat_payload(FRANCE, max_tokens=1), job_id)
+    burst(redis_conn)
+    assert events_at_close and events_at_close[0][-1:] == ["done"], events_at_close
 
 
 def test_canceled_job_stops_with_a_canceled_error(runtime, redis_conn, settings):
