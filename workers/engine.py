@@ -11,7 +11,6 @@ every request and result across; those two thread hand-offs cost 0.3 ms per call
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
 import time
@@ -25,7 +24,6 @@ from workers import text
 from workers.platform import PlatformInfo, detect
 from workers.registry import ModelRegistry, Resident, memory_budget_bytes
 
-log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
