@@ -111,8 +111,9 @@ def _generate_all(runtime: Runtime, publisher: EventPublisher, job, payload: dic
     sampling = Sampling.from_payload(payload)
     choices, prompt_tokens, completion_tokens, held = [], 0, 0, []
     for index, prompt in enumerate(prompts):
-        if held and publisher.publish_many(job.id, held)[1]:
-            raise Canceled(f"canceled after {index} of {len(prompts)} prompts")
+        if _canceled_before_prompt(job, publisher, index, held):
+            raise Canceled("canceled before generation started" if index == 0
+                           else f"canceled after {index} of {len(prompts)} prompts")
         while finished:
             finished.pop().close()
         choice, final, last_delta, stream = _generate_choice(runtime, publisher, job, index, info, prompt, sampling)
@@ -149,7 +150,6 @@ def _generate_choice(runtime: Runtime, publisher: EventPublisher, job, index: in
     interval = runtime.settings.stream_interval_ms / 1000
     parts, final, last_delta = [], None, ""
     try:
-        _raise_if_canceled(job, "before generation started")  # asked while the job was queued
         for batch in stream.batches(interval=interval):
             delta = "".join(piece.text for piece in batch)
             parts.append(delta)
@@ -166,17 +166,20 @@ def _generate_choice(runtime: Runtime, publisher: EventPublisher, job, index: in
     return choice, final, last_delta, stream
 
 
-def _raise_if_canceled(job, when: str) -> None:
-    """Raise Canceled if a client asked to cancel the job.
+def _canceled_before_prompt(job, publisher: EventPublisher, index: int, held: list) -> bool:
+    """Whether a client asked to cancel the job, checked before prompt `index` starts.
 
-    The first time, the answer the worker read while preparing the job is used (workers.rqworker),
-    which saves a Redis round trip before generation; later checks ask Redis.
+    Before the first, the flag workers.rqworker's Worker read while preparing the job (Redis is
+    asked under another RQ worker class); between prompts, publishing the previous one's last
+    delta reports it, and only without such a delta is Redis asked.
     """
-    known = getattr(job, "cancel_flag_at_start", None)
-    job.cancel_flag_at_start = None  # fresh only once
-    canceled = known if known is not None else job.connection.exists(keys.cancel_flag(job.id))
-    if canceled:
-        raise Canceled(f"canceled {when}")
+    if index == 0:
+        known = getattr(job, "cancel_flag_at_start", None)
+        if known is not None:
+            return known
+    elif held:
+        return publisher.publish_many(job.id, held)[1]
+    return bool(job.connection.exists(keys.cancel_flag(job.id)))
 
 
 _FALLBACK_MESSAGES = {"worker_shutdown": "the worker shut down while running this job",
