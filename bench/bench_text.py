@@ -134,14 +134,18 @@ class HTTPServer:
             proc.stop()
 
 
-def start_mlxq(model_dir: Path, redis_url: str, name: str = "mlxq", env_extra: dict | None = None) -> HTTPServer:
-    """Start the worker and gunicorn (gevent) on the model; return once /ready answers."""
+def start_mlxq(model_dir: Path, redis_url: str, name: str = "mlxq", env_extra: dict | None = None,
+               worker_env: dict | None = None) -> HTTPServer:
+    """Start the worker and gunicorn (gevent) on the model; return once /ready answers.
+
+    `env_extra` goes to both processes, `worker_env` to the worker only.
+    """
     port = free_port()
     models_dir = Path(tempfile.mkdtemp(prefix="mlxq-bench-models-"))
     (models_dir / "aliases.json").write_text(json.dumps({"bench": str(model_dir)}))
     env = {**os.environ, "REDIS_URL": redis_url, "MLXQ_MODELS_DIR": str(models_dir), "MLXQ_DEFAULT_MODEL": "bench",
            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env_extra or {})}
-    worker = Proc([sys.executable, "-m", "workers.main"], env, f"{name}-worker").start()
+    worker = Proc([sys.executable, "-m", "workers.main"], {**env, **(worker_env or {})}, f"{name}-worker").start()
     web = Proc([sys.executable, "-m", "gunicorn", "-k", "gevent", "-w", "1", "-b", f"127.0.0.1:{port}",
                 "web.app:create_app()"], env, f"{name}-web").start()
     base = f"http://127.0.0.1:{port}"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import statistics
 import sys
@@ -21,12 +20,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from bench.bench_text import PROMPT  # noqa: E402
-from bench.common import Proc, free_port, percentile, start_redis, wait_http  # noqa: E402
+from bench.bench_text import PROMPT, HTTPServer, start_mlxq  # noqa: E402
+from bench.common import percentile, start_redis  # noqa: E402
 
 SPANS = [
     ("HTTP in", "client_send", "web_request_in"),
@@ -47,21 +44,12 @@ SIDE_SPANS = [("web's enqueue transaction", "web_job_built", "web_enqueue_done")
 """Spans that overlap the critical path."""
 
 
-def start_traced_mlxq(model_dir: Path, redis_url: str, trace_dir: Path) -> tuple[str, list[Proc]]:
-    """Start the worker and the web tier with the trace hooks; return the base URL and the processes."""
-    models_dir = Path(tempfile.mkdtemp(prefix="mlxq-trace-models-"))
-    (models_dir / "aliases.json").write_text(json.dumps({"bench": str(model_dir)}))
+def start_traced_mlxq(model_dir: Path, redis_url: str, trace_dir: Path) -> HTTPServer:
+    """Start mlxq (bench_text's start_mlxq) with the hooks of bench/trace/ loaded in web and worker."""
     hooks = REPO / "bench" / "trace"
-    env = {**os.environ, "REDIS_URL": redis_url, "MLXQ_MODELS_DIR": str(models_dir), "MLXQ_DEFAULT_MODEL": "bench",
-           "MLXQ_TRACE_DIR": str(trace_dir),
+    env = {"MLXQ_TRACE_DIR": str(trace_dir), "GUNICORN_CMD_ARGS": f"-c {hooks / 'gunicorn_conf.py'}",
            "PYTHONPATH": os.pathsep.join([str(REPO), str(hooks), os.environ.get("PYTHONPATH", "")])}
-    port = free_port()
-    worker = Proc([sys.executable, "-m", "workers.main"], {**env, "MLXQ_TRACE_ROLE": "worker"}, "trace-worker").start()
-    web = Proc([sys.executable, "-m", "gunicorn", "-k", "gevent", "-w", "1", "-c", str(hooks / "gunicorn_conf.py"),
-                "-b", f"127.0.0.1:{port}", "web.app:create_app()"], env, "trace-web").start()
-    base = f"http://127.0.0.1:{port}"
-    wait_http(base + "/ready", 300)
-    return base, [worker, web]
+    return start_mlxq(model_dir, redis_url, "trace", env, worker_env={"MLXQ_TRACE_ROLE": "worker"})
 
 
 def read_traces(trace_dir: Path) -> dict[str, dict[str, float]]:
@@ -83,24 +71,23 @@ def main() -> None:
     args = parser.parse_args()
     trace_dir = Path(tempfile.mkdtemp(prefix="mlxq-trace-"))
     redis_url, redis_proc = start_redis()
-    procs = []
+    server = None
     try:
-        base, procs = start_traced_mlxq(args.model, redis_url, trace_dir)
+        server = start_traced_mlxq(args.model, redis_url, trace_dir)
         body = {"model": "bench", "messages": PROMPT, "max_tokens": 1, "temperature": 0}
-        with httpx.Client(base_url=base, timeout=60) as client:
-            for _ in range(10):  # warm-up, not traced below
-                client.post("/v1/chat/completions", json=body).raise_for_status()
-            traced = []
-            for _ in range(args.n):
-                time.sleep(args.gap_ms / 1000)
-                sent = time.time()
-                response = client.post("/v1/chat/completions", json=body)
-                received = time.time()
-                response.raise_for_status()
-                traced.append((response.json()["id"], sent, received))
+        for _ in range(10):  # warm-up, not traced below
+            server.client.post("/v1/chat/completions", json=body).raise_for_status()
+        traced = []
+        for _ in range(args.n):
+            time.sleep(args.gap_ms / 1000)
+            sent = time.time()
+            response = server.client.post("/v1/chat/completions", json=body)
+            received = time.time()
+            response.raise_for_status()
+            traced.append((response.json()["id"], sent, received))
     finally:
-        for proc in procs:
-            proc.stop()
+        if server is not None:
+            server.close()
         redis_proc.stop()
     stages = read_traces(trace_dir)
     rows = []
