@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -56,14 +58,46 @@ _json_memo: dict[Path, tuple[tuple[int, int], dict]] = {}
 _scan_memo: dict[Path, tuple[tuple, dict[str, tuple[Path, int, float]]]] = {}
 _size_memo: dict[Path, tuple[int, int]] = {}
 
+# Every synchronous call resolves its model twice (web, then worker), and a resolution builds a
+# dozen Path objects and stats several files: ~120 µs, on the call's latency. So each successful
+# resolution is memoized with what it read: (check, argument, value) triples, each check a cheap
+# stat or realpath. While every check still gives its value, the files it came from are unchanged
+# and the answer stands; any change (an edited alias, a removed entry, a new HF snapshot) misses.
+Inputs = list[tuple[Callable, object, object]]
+_resolve_memo: dict[tuple[str, str, bool], tuple[Inputs, "ModelInfo"]] = {}
+_inputs: ContextVar[Inputs | None] = ContextVar("mlxq_store_inputs", default=None)
+
+
+def _note(check: Callable, arg, value) -> None:
+    """Record, for the resolution in progress (if any), that it read `value` from `check(arg)`."""
+    inputs = _inputs.get()
+    if inputs is not None:
+        inputs.append((check, arg, value))
+
+
+def _file_key(path) -> tuple[int, int] | None:
+    """(mtime_ns, size) of a file, or None when it is missing."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
+def _dir_key(path) -> int | None:
+    """mtime_ns of a directory (moves when an entry is added, removed or renamed), or None."""
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
+
 
 def _read_json(path: Path) -> dict | None:
     """Return the JSON object in `path` (None if missing or invalid), memoized on mtime and size."""
-    try:
-        st = path.stat()
-    except OSError:
+    key = _file_key(path)
+    _note(_file_key, path, key)
+    if key is None:
         return None
-    key = (st.st_mtime_ns, st.st_size)
     hit = _json_memo.get(path)
     if hit and hit[0] == key:
         return hit[1]
@@ -86,9 +120,9 @@ def _dir_size(path: Path) -> int:
     A model directory changes by files being added, removed or renamed (imports are atomic
     renames), which moves its mtime; a file rewritten in place would only leave the size stale.
     """
-    try:
-        key = os.stat(path).st_mtime_ns
-    except OSError:
+    key = _dir_key(path)
+    _note(_dir_key, path, key)
+    if key is None:
         return 0
     hit = _size_memo.get(path)
     if hit and hit[0] == key:
@@ -298,6 +332,17 @@ def _is_path_ref(ref: str) -> bool:
     return ref.startswith(("/", "./", "../", "~")) or ref in (".", "..")
 
 
+def _real_path(ref: str) -> str:
+    """The directory a path reference names, with `~` expanded and symlinks resolved."""
+    return os.path.realpath(os.path.expanduser(ref))
+
+
+def _hf_cache_state() -> tuple[Path, tuple]:
+    """Where the HF cache is and the signature of its snapshots (changes when a download lands)."""
+    cache_dir = hf_hub_cache_dir()
+    return cache_dir, _cache_signature(cache_dir)
+
+
 def _resolve(ref: str, settings, seen: tuple[str, ...], allow_paths: bool = True) -> ModelInfo:
     """Resolve `ref` in order: alias, store name, directory path, HF cache; raise ModelNotFound."""
     models_dir = Path(settings.models_dir)
@@ -316,7 +361,9 @@ def _resolve(ref: str, settings, seen: tuple[str, ...], allow_paths: bool = True
     if info:
         return info
     if _is_path_ref(ref) and allow_paths:
-        path = Path(ref).expanduser().resolve()
+        real = _real_path(ref)
+        _note(_real_path, ref, real)
+        path = Path(real)
         looked.append(f"a model directory {path}/config.json")
         info = _info_from_config_dir(ref, path, f"dir:{path}") if path.is_dir() else None
         if info:
@@ -326,6 +373,7 @@ def _resolve(ref: str, settings, seen: tuple[str, ...], allow_paths: bool = True
     cache_dir = hf_hub_cache_dir()
     if HF_REPO_RE.match(ref):
         looked.append(f"Hugging Face repo {ref} in the local cache {cache_dir}")
+        _note(_hf_cache_state, None, _hf_cache_state())
         cached = hf_cached_repos().get(ref)
         info = _hf_entry(ref, cached) if cached else None
         if info:
@@ -343,7 +391,20 @@ def resolve(ref: str | None, settings, allow_paths: bool = True) -> ModelInfo:
     ref = settings.default_model if ref is None else ref.strip()
     if not ref:
         raise ModelNotFound("", ["a non-empty model reference"])
-    return _resolve(ref, settings, (), allow_paths)
+    key = (str(settings.models_dir), ref, allow_paths)
+    hit = _resolve_memo.get(key)
+    if hit is not None and all(check(arg) == value for check, arg, value in hit[0]):
+        return hit[1]
+    inputs: Inputs = []
+    token = _inputs.set(inputs)
+    try:
+        info = _resolve(ref, settings, (), allow_paths)
+    finally:
+        _inputs.reset(token)
+    if len(_resolve_memo) > 4096:  # bound the memo, as for the JSON files
+        _resolve_memo.clear()
+    _resolve_memo[key] = (inputs, info)
+    return info
 
 
 def list_models(settings) -> list[ModelInfo]:

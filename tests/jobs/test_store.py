@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -124,6 +125,30 @@ def test_a_directory_path_resolves_with_kind_and_context_from_config(store_setti
     monkeypatch.chdir(tmp_path / "dirs")
     info = resolve("./vlm", store_settings)
     assert (info.kind, info.context_length, info.path) == ("vision", 32768, vlm)
+
+
+def test_a_resolution_is_remembered_until_something_it_read_changes(store_settings, tmp_path):
+    models_dir = store_settings.models_dir
+    write_store_entry(models_dir, "smollm", LLAMA_CONFIG)
+    other = write_store_entry(models_dir, "other-model", LLAMA_CONFIG)
+    (models_dir / "aliases.json").write_text(json.dumps({"chat": "smollm"}))
+    first = resolve("chat", store_settings)
+    assert resolve("chat", store_settings) is first  # remembered, not resolved again
+    (models_dir / "aliases.json").write_text(json.dumps({"chat": "other-model"}))  # another size
+    assert resolve("chat", store_settings).path == other
+    (other / "mlxq.json").write_text(json.dumps({"kind": "speech", "source": "dir:elsewhere"}))
+    assert resolve("chat", store_settings).kind == "speech"
+    shutil.rmtree(other)
+    with pytest.raises(ModelNotFound):
+        resolve("chat", store_settings)
+    one = write_model_dir(tmp_path / "dirs" / "one", LLAMA_CONFIG)
+    two = write_model_dir(tmp_path / "dirs" / "two", WHISPER_CONFIG)
+    link = tmp_path / "current"
+    link.symlink_to(one)
+    assert resolve(str(link), store_settings).path == one
+    link.unlink()
+    link.symlink_to(two)
+    assert resolve(str(link), store_settings).path == two
 
 
 def test_kind_detection():
