@@ -25,11 +25,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import httpx
-
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from bench.common import Proc, free_port, percentile, start_redis, wait_http, write_report  # noqa: E402
+from bench.common import (KeepAliveClient, Proc, free_port, percentile, start_redis, wait_http,  # noqa: E402
+                          write_report)
+from mlxq.cli import gunicorn_argv  # noqa: E402
 
 PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
 WARMUP = 3
@@ -98,16 +98,14 @@ class HTTPServer:
 
     def __init__(self, name: str, base: str, model: str, procs: list[Proc]):
         self.name, self.model, self.procs = name, model, procs
-        self.client = httpx.Client(base_url=base, timeout=600)
+        self.client = KeepAliveClient(base)
 
     def one_token(self) -> float:
         """Seconds for a 1-token greedy chat over HTTP."""
         body = {"model": self.model, "messages": PROMPT, "max_tokens": 1, "temperature": 0}
         t0 = time.perf_counter()
-        response = self.client.post("/v1/chat/completions", json=body)
-        elapsed = time.perf_counter() - t0
-        response.raise_for_status()
-        return elapsed
+        self.client.post_json("/v1/chat/completions", body)
+        return time.perf_counter() - t0
 
     def decode(self, max_tokens: int) -> float:
         """Decode tokens/s of a streamed chat: content chunks from the first to the last, wall clock."""
@@ -115,16 +113,15 @@ class HTTPServer:
                 "stream": True, "stream_options": {"include_usage": True}}
         first = last = None
         tokens = 0
-        with self.client.stream("POST", "/v1/chat/completions", json=body) as response:
-            for line in response.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-                if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
-                    last = time.perf_counter()
-                    first = first or last
+        for line in self.client.stream_lines("/v1/chat/completions", body):
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                last = time.perf_counter()
+                first = first or last
         return (tokens - 1) / (last - first)
 
     def close(self) -> None:
@@ -146,8 +143,7 @@ def start_mlxq(model_dir: Path, redis_url: str, name: str = "mlxq", env_extra: d
     env = {**os.environ, "REDIS_URL": redis_url, "MLXQ_MODELS_DIR": str(models_dir), "MLXQ_DEFAULT_MODEL": "bench",
            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env_extra or {})}
     worker = Proc([sys.executable, "-m", "workers.main"], {**env, **(worker_env or {})}, f"{name}-worker").start()
-    web = Proc([sys.executable, "-m", "gunicorn", "-k", "gevent", "-w", "1", "-b", f"127.0.0.1:{port}",
-                "web.app:create_app()"], env, f"{name}-web").start()
+    web = Proc(gunicorn_argv("127.0.0.1", port, workers=1), env, f"{name}-web").start()  # as `mlxq serve` runs it
     base = f"http://127.0.0.1:{port}"
     wait_http(base + "/ready", 300)
     return HTTPServer(name, base, "bench", [worker, web])

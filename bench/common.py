@@ -13,6 +13,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import http.client
+import json
+
 import httpx
 
 from mlxq.devstack import free_port  # noqa: F401  (re-exported for the benchmarks)
@@ -103,3 +106,41 @@ def wait_http(url: str, timeout: float) -> None:
             pass
         time.sleep(0.2)
     raise TimeoutError(f"{url} not ready within {timeout}s")
+
+
+class KeepAliveClient:
+    """The standard library's http.client on one kept-alive connection: the benchmarks' timed client.
+
+    Timed calls go through it rather than httpx, whose own request building and response parsing
+    cost about a millisecond per call on the 2-core machine (and would be charged to the server
+    under test, not to the direct baseline, which makes no HTTP call). It reconnects by itself
+    after a server that closes each connection (mlx_lm.server speaks HTTP/1.0).
+    """
+
+    def __init__(self, base: str, timeout: float = 600):
+        host, port = base.removeprefix("http://").rstrip("/").split(":")
+        self.connection = http.client.HTTPConnection(host, int(port), timeout=timeout)
+
+    def post_json(self, path: str, body: dict) -> dict:
+        """POST a JSON body; return the JSON answer, or raise RuntimeError on a non-2xx status."""
+        response = self._post(path, body)
+        data = response.read()
+        if not 200 <= response.status < 300:
+            raise RuntimeError(f"POST {path}: HTTP {response.status}: {data[:300]!r}")
+        return json.loads(data)
+
+    def stream_lines(self, path: str, body: dict):
+        """POST a JSON body and yield the answer's lines (an SSE stream) as text, as they arrive."""
+        response = self._post(path, body)
+        if not 200 <= response.status < 300:
+            raise RuntimeError(f"POST {path}: HTTP {response.status}: {response.read()[:300]!r}")
+        while line := response.readline():
+            yield line.decode().rstrip("\r\n")
+
+    def _post(self, path: str, body: dict) -> http.client.HTTPResponse:
+        self.connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        return self.connection.getresponse()
+
+    def close(self) -> None:
+        """Close the connection."""
+        self.connection.close()

@@ -76,15 +76,14 @@ def main() -> None:
         server = start_traced_mlxq(args.model, redis_url, trace_dir)
         body = {"model": "bench", "messages": PROMPT, "max_tokens": 1, "temperature": 0}
         for _ in range(10):  # warm-up, not traced below
-            server.client.post("/v1/chat/completions", json=body).raise_for_status()
+            server.client.post_json("/v1/chat/completions", body)
         traced = []
         for _ in range(args.n):
             time.sleep(args.gap_ms / 1000)
             sent = time.time()
-            response = server.client.post("/v1/chat/completions", json=body)
+            answer = server.client.post_json("/v1/chat/completions", body)
             received = time.time()
-            response.raise_for_status()
-            traced.append((response.json()["id"], sent, received))
+            traced.append((answer["id"], sent, received))
     finally:
         if server is not None:
             server.close()
