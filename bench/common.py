@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -12,9 +14,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-import http.client
-import json
 
 import httpx
 
@@ -113,8 +112,8 @@ class KeepAliveClient:
 
     Timed calls go through it rather than httpx, whose own request building and response parsing
     cost about a millisecond per call on the 2-core machine (and would be charged to the server
-    under test, not to the direct baseline, which makes no HTTP call). It reconnects by itself
-    after a server that closes each connection (mlx_lm.server speaks HTTP/1.0).
+    under test, not to the direct baseline, which makes no HTTP call). It reconnects when the
+    server has closed the connection since the last call.
     """
 
     def __init__(self, base: str, timeout: float = 600):
@@ -138,6 +137,18 @@ class KeepAliveClient:
             yield line.decode().rstrip("\r\n")
 
     def _post(self, path: str, body: dict) -> http.client.HTTPResponse:
+        sock = self.connection.sock
+        if sock is not None and select.select([sock], [], [], 0)[0]:
+            # Readable between calls means the server closed the connection (mlx_lm.server does
+            # after each answer without saying so): reconnect, as httpx would, instead of failing.
+            self.connection.close()
+        try:
+            return self._send(path, body)
+        except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+            self.connection.close()  # closed just as the call went out: once more on a new one
+            return self._send(path, body)
+
+    def _send(self, path: str, body: dict) -> http.client.HTTPResponse:
         self.connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
         return self.connection.getresponse()
 
