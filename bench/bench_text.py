@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import tempfile
@@ -208,8 +209,9 @@ def other_mlxq_settings(args) -> list[dict]:
 
 
 def mlxq_name(env: dict) -> str:
-    """A report key for an mlxq run with these settings, e.g. mlxq_stream_interval_ms_0."""
-    return "mlxq_" + "_".join(f"{k.removeprefix('MLXQ_').lower()}_{v}" for k, v in env.items())
+    """A report key (and log file name) for an mlxq run with these settings, e.g. mlxq_stream_interval_ms_0."""
+    name = "mlxq_" + "_".join(f"{k.removeprefix('MLXQ_').lower()}_{v}" for k, v in env.items())
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)  # a value may be a path (--also PYTHONPATH=OLD_CHECKOUT)
 
 
 def main() -> None:
