@@ -28,8 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from bench.common import (KeepAliveClient, Proc, free_port, percentile, start_redis, wait_http,  # noqa: E402
-                          write_report)
+from bench.common import KeepAliveClient, Proc, free_port, percentile, start_redis, wait_http, write_report  # noqa: E402
 from mlxq.cli import gunicorn_argv  # noqa: E402
 
 PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
