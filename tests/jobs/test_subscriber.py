@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import pytest
+import redis
 
 from jobs.events import DELTA, DONE, EventPublisher
 from jobs.subscriber import EventHub, follow
@@ -85,3 +87,21 @@ def test_the_hub_subscribes_again_after_its_connection_is_killed(redis_conn, hub
     wait_for_listener(hub, "job-after-kill")
     publish_answer(redis_conn, "job-after-kill")
     assert [e["type"] for e in received(out)] == [DELTA, DELTA, DONE]
+
+
+def test_an_idle_hub_keeps_its_subscription_past_the_socket_timeout(redis_conn, redis_url):
+    # The web tier's client has a socket timeout (jobs.connection); a blocking pub/sub read that
+    # honoured it would drop and renew the subscription every time the service sat idle that long,
+    # losing live events meanwhile (redis-py before 8.1's listen() did).
+    client = redis.Redis.from_url(redis_url, socket_timeout=0.3)
+    others = pattern_subscribers(redis_conn)  # earlier tests' hubs
+    hub = EventHub(client)
+    with hub.listen("idle"):
+        ours = wait_until(lambda: pattern_subscribers(redis_conn) - others, 5, what="the hub's subscription")
+        time.sleep(1.0)  # idle for three socket timeouts
+        assert pattern_subscribers(redis_conn) - others == ours
+
+
+def pattern_subscribers(redis_conn) -> set[str]:
+    """Redis's ids of the connections subscribed to a pattern."""
+    return {c["id"] for c in redis_conn.client_list(_type="pubsub") if int(c.get("psub", 0))}
