@@ -111,8 +111,8 @@ class KeepAliveClient:
     """The standard library's http.client on one kept-alive connection: the benchmarks' timed client.
 
     Timed calls go through it rather than httpx, whose own request building and response parsing
-    cost about a millisecond per call on the 2-core machine (and would be charged to the server
-    under test, not to the direct baseline, which makes no HTTP call). It reconnects when the
+    cost 1.2-1.8 ms per call on the 2-core machine (docs/performance.md), charged to the server
+    under test and not to the direct baseline, which makes no HTTP call. It reconnects when the
     server has closed the connection since the last call.
     """
 
