@@ -22,11 +22,6 @@ QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELED = "queued", "running", "succeeded",
 STATUSES = (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELED)
 TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELED})
 
-
-def status_of_error(error: dict) -> str:
-    """The terminal status of a job that ended with this error event's data: canceled or failed."""
-    return CANCELED if error.get("code") == "canceled" else FAILED
-
 JOBS_INDEX = f"{keys.PREFIX}:jobs"
 """Sorted set of every job id, scored by creation time (listing, newest first)."""
 
@@ -36,6 +31,11 @@ PENDING_TTL_FACTOR = 7
 _PUBLIC = ("id", "kind", "status", "model", "filename", "created_at", "started_at", "finished_at",
            "progress", "error", "metadata", "webhook_url", "attempts")
 _SCAN_PAGE = 100
+
+
+def status_of_error(error: dict) -> str:
+    """The terminal status of a job that ended with this error event's data: canceled or failed."""
+    return CANCELED if error.get("code") == "canceled" else FAILED
 
 
 def create(conn: redis.Redis, settings: Settings, job_id: str, kind: str, fields: dict) -> dict:

@@ -305,12 +305,19 @@ def _scan_hf_cache(cache_dir: Path) -> dict[str, tuple[Path, int, float]]:
     return repos
 
 
+def _hf_cache_state() -> tuple[Path, tuple]:
+    """Where the HF cache is and the signature of its snapshots (changes when a download lands)."""
+    cache_dir = hf_hub_cache_dir()
+    return cache_dir, _cache_signature(cache_dir)
+
+
 def hf_cached_repos() -> dict[str, tuple[Path, int, float]]:
     """The model repos in the local HF cache, memoized until a snapshot directory changes."""
-    cache_dir = hf_hub_cache_dir()
+    state = _hf_cache_state()
+    _note(_hf_cache_state, None, state)
+    cache_dir, signature = state
     if not cache_dir.is_dir():
         return {}
-    signature = _cache_signature(cache_dir)
     hit = _scan_memo.get(cache_dir)
     if hit and hit[0] == signature:
         return hit[1]
@@ -335,12 +342,6 @@ def _is_path_ref(ref: str) -> bool:
 def _real_path(ref: str) -> str:
     """The directory a path reference names, with `~` expanded and symlinks resolved."""
     return os.path.realpath(os.path.expanduser(ref))
-
-
-def _hf_cache_state() -> tuple[Path, tuple]:
-    """Where the HF cache is and the signature of its snapshots (changes when a download lands)."""
-    cache_dir = hf_hub_cache_dir()
-    return cache_dir, _cache_signature(cache_dir)
 
 
 def _resolve(ref: str, settings, seen: tuple[str, ...], allow_paths: bool = True) -> ModelInfo:
@@ -373,7 +374,6 @@ def _resolve(ref: str, settings, seen: tuple[str, ...], allow_paths: bool = True
     cache_dir = hf_hub_cache_dir()
     if HF_REPO_RE.match(ref):
         looked.append(f"Hugging Face repo {ref} in the local cache {cache_dir}")
-        _note(_hf_cache_state, None, _hf_cache_state())
         cached = hf_cached_repos().get(ref)
         info = _hf_entry(ref, cached) if cached else None
         if info:
