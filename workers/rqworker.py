@@ -3,38 +3,115 @@
 Between a synchronous call's enqueue and its answer, every Redis round trip the worker makes is
 latency the client sees. RQ 3 (pinned in pyproject.toml: this class leans on its internals) sends
 a bare worker heartbeat, three commands in three round trips, before and after every dequeue and
-after every job, and prepares each job in two pipelines, one after the other. Here a bare
-heartbeat is one pipelined round trip, skipped when one went out less than BARE_HEARTBEAT_GAP_S
-ago (the worker key lives for minutes, and workers.main's Heartbeat thread beats during jobs), and
-the two preparation pipelines go out as one, together with a read of the job's cancel flag (the
-job function would otherwise ask for it in a round trip of its own before generating). What is
-written to Redis is unchanged.
+after every job, fetches the job in a round trip of its own, and prepares it in two pipelines, one
+after the other, waiting for each. Here:
+- a bare heartbeat is one pipelined round trip, skipped when one went out less than
+  BARE_HEARTBEAT_GAP_S ago (the worker key lives for minutes, and workers.main's Heartbeat thread
+  beats during jobs);
+- fetching the job also reads its cancel flag, in the same round trip (the job function would
+  otherwise ask for it in a round trip of its own before generating);
+- the two preparation pipelines go out as one transaction, and the job function starts without
+  waiting for its reply: the replies are read (and any error raised) before RQ records the job's
+  end, so Redis still sees the job started before it sees it end.
+What is written to Redis is unchanged.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 
+import redis
 from rq import SimpleWorker
+from rq import job as rq_job
+from rq.exceptions import NoSuchJobError
 from rq.executions import Execution
-from rq.job import Job
+from rq.queue import Queue
 from rq.utils import now
 from rq.worker import WorkerStatus
 
 from jobs import keys
 
+log = logging.getLogger(__name__)
+
 BARE_HEARTBEAT_GAP_S = 1.0
 """RQ's own bare worker heartbeats closer together than this are skipped."""
 
 
+class Job(rq_job.Job):
+    """RQ's Job, whose fetch also reads the job's cancel flag in the same round trip."""
+
+    cancel_flag_when_fetched: bool | None = None
+    """Whether a client had asked to cancel the job when it was fetched (read by workers.tasks)."""
+
+    def refresh(self):
+        """Load the job's hash (NoSuchJobError when it is gone) and its cancel flag, in one round trip."""
+        with self.connection.pipeline(transaction=False) as pipeline:
+            pipeline.hgetall(self.key)
+            pipeline.exists(keys.cancel_flag(self.id))
+            data, canceled = pipeline.execute()
+        if not data:
+            raise NoSuchJobError(f"No such job: {self.key}")
+        self.restore(data)
+        self.cancel_flag_when_fetched = bool(canceled)
+
+
+class SentTransaction:
+    """A pipeline's commands, sent now as one MULTI/EXEC transaction, whose replies are read later.
+
+    It holds a connection of the client's pool until `confirm`, so that nothing else reads (or
+    writes) on that connection in between.
+    """
+
+    def __init__(self, pipeline: redis.client.Pipeline):
+        self._pool = pipeline.connection_pool
+        self._count = len(pipeline.command_stack)
+        commands = [("MULTI",), *(args for args, _options in pipeline.command_stack), ("EXEC",)]
+        self._connection = self._pool.get_connection()
+        try:
+            self._connection.send_packed_command(self._connection.pack_commands(commands))
+        except BaseException:
+            self._release(broken=True)
+            raise
+
+    @property
+    def pending(self) -> bool:
+        """Whether the replies are still unread."""
+        return self._connection is not None
+
+    def confirm(self) -> None:
+        """Read the transaction's replies; raise the first error. Idempotent."""
+        if self._connection is None:
+            return
+        try:
+            for _ in range(self._count + 1):  # +OK for MULTI, then +QUEUED for each command
+                self._connection.read_response()
+            results = self._connection.read_response()  # EXEC: one result per command
+        except BaseException:
+            self._release(broken=True)  # replies may be left unread on it
+            raise
+        self._release(broken=False)
+        errors = [r for r in results or () if isinstance(r, Exception)]
+        if results is None or len(results) != self._count or errors:
+            raise errors[0] if errors else redis.ResponseError(f"transaction answered {results!r}")
+
+    def _release(self, broken: bool) -> None:
+        connection, self._connection = self._connection, None
+        if broken:
+            connection.disconnect()
+        self._pool.release(connection)
+
+
 class Worker(SimpleWorker):
-    """SimpleWorker (no fork: models stay resident) with batched heartbeats and job preparation."""
+    """SimpleWorker (no fork: models stay resident) with batched heartbeats, fetch and preparation."""
 
     log_result_lifespan = False  # "result is kept for N seconds" on every job says nothing new
+    job_class = Job
 
     _last_bare_heartbeat = -math.inf
     _prepared_job_id: str | None = None
+    _preparation: SentTransaction | None = None
 
     def heartbeat(self, timeout: int | None = None, pipeline=None):
         """Refresh the worker key: pipelined, and at most once per BARE_HEARTBEAT_GAP_S when bare."""
@@ -50,7 +127,7 @@ class Worker(SimpleWorker):
         return None
 
     def prepare_execution(self, job: Job) -> Execution:
-        """RQ's execution record, the job's started state and its cancel flag, in one pipeline."""
+        """Send RQ's execution record and the job's started state as one transaction, unconfirmed."""
         with self.connection.pipeline() as pipeline:
             heartbeat_ttl = self.get_heartbeat_ttl(job)
             execution = Execution.create(job, heartbeat_ttl, pipeline=pipeline, worker_name=self.name)
@@ -62,11 +139,31 @@ class Worker(SimpleWorker):
             job.heartbeat(now(), heartbeat_ttl, pipeline=pipeline)
             job.prepare_for_execution(self.name, pipeline=pipeline)
             pipeline.persist(job.key)
-            pipeline.exists(keys.cancel_flag(job.id))
-            canceled = pipeline.execute()[-1]
-        job.cancel_flag_at_start = bool(canceled)  # read by workers.tasks before it generates
+            self._preparation = SentTransaction(pipeline)
         self._prepared_job_id = job.id
         return execution
+
+    def confirm_preparation(self) -> None:
+        """Wait for the reply of the job's preparation (a no-op once read); raise its error."""
+        if self._preparation is not None:
+            preparation, self._preparation = self._preparation, None
+            preparation.confirm()
+
+    def handle_execution_ended(self, job: Job, queue: Queue, heartbeat_ttl: int):
+        """RQ's end of a job, once its start is confirmed: Redis must see the start first."""
+        self.confirm_preparation()
+        super().handle_execution_ended(job, queue, heartbeat_ttl)
+
+    def execute_job(self, job: Job, queue: Queue):
+        """Run the job (RQ's SimpleWorker); never leave a preparation's reply unread."""
+        try:
+            super().execute_job(job, queue)
+        finally:
+            if self._preparation is not None:  # only when RQ's own handling raised before the end
+                try:
+                    self.confirm_preparation()
+                except redis.RedisError as exc:
+                    log.warning("preparing job %s failed: %s", job.id, exc)
 
     def prepare_job_execution(self, job: Job, remove_from_intermediate_queue: bool = False) -> None:
         """Skip RQ's second preparation pipeline when prepare_execution already sent it."""
