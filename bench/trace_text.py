@@ -40,7 +40,10 @@ SPANS = [
 ]
 """The critical path of a call, span by span: together they make up the whole call."""
 SIDE_SPANS = [("web's enqueue transaction", "web_job_built", "web_enqueue_done"),
-              ("worker's publish call", "wk_publish_answer", "wk_published")]
+              ("worker's publish call", "wk_publish_answer", "wk_published"),
+              ("  EXEC sent, worker's BLPOP returns", "web_job_built", "wk_popped"),
+              ("  job fetched (HGETALL)", "wk_popped", "wk_fetched"),
+              ("  RQ's dequeue to execute_job", "wk_fetched", "wk_dequeued")]
 """Spans that overlap the critical path."""
 
 
