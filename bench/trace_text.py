@@ -43,7 +43,9 @@ SIDE_SPANS = [("web's enqueue transaction", "web_job_built", "web_enqueue_done")
               ("worker's publish call", "wk_publish_answer", "wk_published"),
               ("  EXEC sent, worker's BLPOP returns", "web_job_built", "wk_popped"),
               ("  job fetched (HGETALL)", "wk_popped", "wk_fetched"),
-              ("  RQ's dequeue to execute_job", "wk_fetched", "wk_dequeued")]
+              ("  RQ's dequeue to execute_job", "wk_fetched", "wk_dequeued"),
+              ("  publish to the web's pub/sub reader", "wk_publish_answer", "web_hub_got"),
+              ("  pub/sub reader to the request", "web_hub_got", "web_got_done")]
 """Spans that overlap the critical path."""
 
 

@@ -38,12 +38,19 @@ def _wrap(owner, name: str, before=None, after=None) -> None:
 
 
 def patch_web() -> None:
-    """Mark: the request reaching Flask, the enqueue (start, job built, done), the answer (got, sent)."""
+    """Mark: the request reaching Flask, the enqueue (start, job built, done), the answer (on the
+    pub/sub connection, got, sent)."""
     import flask
     import rq
 
-    from jobs import queues
+    from jobs import queues, subscriber
     from web import jobrun, openai_api
+
+    def hub_receives(args):
+        channel = args[1].decode()
+        mark(channel[len(args[0]._prefix):], "web_hub_got")
+
+    _wrap(subscriber.EventHub, "_dispatch", before=hub_receives)
 
     wsgi_app = flask.Flask.wsgi_app
 
