@@ -151,7 +151,12 @@ class Worker(SimpleWorker):
 
     def handle_execution_ended(self, job: Job, queue: Queue, heartbeat_ttl: int):
         """RQ's end of a job, once its start is confirmed: Redis must see the start first."""
-        self.confirm_preparation()
+        try:
+            self.confirm_preparation()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            # The connection went while the job ran: whether the start was applied is unknown, but
+            # the job's outcome is known and is what RQ records next, over a fresh connection.
+            log.warning("no reply to the preparation of job %s (%s); recording its end anyway", job.id, exc)
         super().handle_execution_ended(job, queue, heartbeat_ttl)
 
     def execute_job(self, job: Job, queue: Queue):

@@ -125,3 +125,33 @@ def test_a_sent_transaction_raises_the_error_redis_gave_and_leaves_the_pool_usab
     assert redis_conn.get(key) == b"a string"
     assert redis_conn.connection_pool._in_use_connections == set()
     assert redis_conn.ping()
+
+
+def answer(payload: dict) -> str:
+    """Job function that answers at once."""
+    return "answered"
+
+
+class LosingWorker(Worker):
+    """The worker, except that its connection drops before the preparation's reply is read."""
+
+    def perform_job(self, job, queue, execution):
+        """Drop the connection that holds the unread reply, then run the job as usual."""
+        self._preparation._connection.disconnect()
+        return super().perform_job(job, queue, execution)
+
+
+def test_a_job_whose_preparation_reply_was_lost_still_records_its_outcome(redis_conn, settings):
+    worker = LosingWorker([get_queue(INTERACTIVE, redis_conn)], connection=redis_conn, serializer=JSONSerializer,
+                          name=f"test-{new_job_id('w')}")
+    job_id = new_job_id("drop")
+    enqueue(redis_conn, settings, INTERACTIVE, "tests.workers.test_rqworker.answer", {}, job_id)
+
+    worker.work(burst=True)
+
+    job = Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer)
+    assert job.get_status() == JobStatus.FINISHED, "a lost reply to the start does not fail a job that answered"
+    assert job.return_value() == "answered"
+    assert job_id not in StartedJobRegistry(INTERACTIVE, connection=redis_conn).get_job_ids()
+    assert worker._preparation is None
+    assert redis_conn.connection_pool._in_use_connections == set()
