@@ -40,13 +40,14 @@ SPANS = [
 ]
 """The critical path of a call, span by span: together they make up the whole call."""
 SIDE_SPANS = [("web's enqueue transaction", "web_job_built", "web_enqueue_done"),
-              ("worker's publish call", "wk_publish_answer", "wk_published"),
-              ("  EXEC sent, worker's BLPOP returns", "web_job_built", "wk_popped"),
-              ("  job fetched (HGETALL)", "wk_popped", "wk_fetched"),
-              ("  RQ's dequeue to execute_job", "wk_fetched", "wk_dequeued"),
-              ("  publish to the web's pub/sub reader", "wk_publish_answer", "web_hub_got"),
-              ("  pub/sub reader to the request", "web_hub_got", "web_got_done")]
+              ("worker's publish call", "wk_publish_answer", "wk_published")]
 """Spans that overlap the critical path."""
+SUB_SPANS = [("to the worker: EXEC, BLPOP returns", "web_job_built", "wk_popped"),
+             ("to the worker: job fetched (HGETALL)", "wk_popped", "wk_fetched"),
+             ("to the worker: RQ's dequeue", "wk_fetched", "wk_dequeued"),
+             ("back: publish to the pub/sub reader", "wk_publish_answer", "web_hub_got"),
+             ("back: pub/sub reader to the request", "web_hub_got", "web_got_done")]
+"""The parts of two spans of the critical path (to the worker, and publish to the web)."""
 
 
 def start_traced_mlxq(model_dir: Path, redis_url: str, trace_dir: Path) -> HTTPServer:
@@ -97,10 +98,10 @@ def main() -> None:
     rows = []
     for job_id, sent, received in traced:
         row = {**stages.get(job_id, {}), "client_send": sent, "client_received": received}
-        if all(stage in row for _, start, end in SPANS + SIDE_SPANS for stage in (start, end)):
+        if all(stage in row for _, start, end in SPANS + SIDE_SPANS + SUB_SPANS for stage in (start, end)):
             rows.append(row)
     print(f"{len(rows)} of {len(traced)} calls traced completely; ms: median (p10, p90)")
-    for label, start, end in SPANS + [("whole call", "client_send", "client_received")] + SIDE_SPANS:
+    for label, start, end in SPANS + [("whole call", "client_send", "client_received")] + SIDE_SPANS + SUB_SPANS:
         gaps = [(row[end] - row[start]) * 1000 for row in rows]
         print(f"  {label:<38} {statistics.median(gaps):7.3f}  ({percentile(gaps, 10):7.3f}, {percentile(gaps, 90):7.3f})")
 
