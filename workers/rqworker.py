@@ -11,8 +11,9 @@ after the other, waiting for each. Here:
 - fetching the job also reads its cancel flag, in the same round trip (the job function would
   otherwise ask for it in a round trip of its own before generating);
 - the two preparation pipelines go out as one transaction, and the job function starts without
-  waiting for its reply: the replies are read (and any error raised) before RQ records the job's
-  end, so Redis still sees the job started before it sees it end.
+  waiting for its reply: the replies are read before RQ records the job's end, so Redis still
+  sees the job started before it sees it end (an error in them is raised; a connection lost
+  before them is logged, and the end recorded anyway).
 What is written to Redis is unchanged.
 """
 
