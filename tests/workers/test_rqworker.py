@@ -79,15 +79,21 @@ def failing(payload: dict) -> None:
     raise RuntimeError("no")
 
 
-def test_a_failing_job_is_recorded_failed_after_its_unconfirmed_start(redis_conn, settings):
-    worker = Worker([get_queue(INTERACTIVE, redis_conn)], connection=redis_conn, serializer=JSONSerializer,
-                    name=f"test-{new_job_id('w')}")
-    job_id = new_job_id("fail")
-    enqueue(redis_conn, settings, INTERACTIVE, "tests.workers.test_rqworker.failing", {}, job_id)
-
+def run_one_job(redis_conn, settings, func: str, worker_class: type[Worker] = Worker) -> tuple[Worker, Job]:
+    """Enqueue `func({})` on the interactive queue, run a burst worker of `worker_class` on it, and
+    return the worker and the job as Redis holds it afterwards."""
+    worker = worker_class([get_queue(INTERACTIVE, redis_conn)], connection=redis_conn, serializer=JSONSerializer,
+                          name=f"test-{new_job_id('w')}")
+    job_id = new_job_id("one")
+    enqueue(redis_conn, settings, INTERACTIVE, func, {}, job_id)
     worker.work(burst=True)
+    return worker, Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer)
 
-    job = Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer)
+
+def test_a_failing_job_is_recorded_failed_after_its_unconfirmed_start(redis_conn, settings):
+    worker, job = run_one_job(redis_conn, settings, "tests.workers.test_rqworker.failing")
+    job_id = job.id
+
     assert job.get_status() == JobStatus.FAILED
     assert job.worker_name == worker.name
     # The start, sent unconfirmed, reached Redis before the end: else it would still be registered.
@@ -142,14 +148,9 @@ class LosingWorker(Worker):
 
 
 def test_a_job_whose_preparation_reply_was_lost_still_records_its_outcome(redis_conn, settings):
-    worker = LosingWorker([get_queue(INTERACTIVE, redis_conn)], connection=redis_conn, serializer=JSONSerializer,
-                          name=f"test-{new_job_id('w')}")
-    job_id = new_job_id("drop")
-    enqueue(redis_conn, settings, INTERACTIVE, "tests.workers.test_rqworker.answer", {}, job_id)
+    worker, job = run_one_job(redis_conn, settings, "tests.workers.test_rqworker.answer", LosingWorker)
+    job_id = job.id
 
-    worker.work(burst=True)
-
-    job = Job.fetch(job_id, connection=redis_conn, serializer=JSONSerializer)
     assert job.get_status() == JobStatus.FINISHED, "a lost reply to the start does not fail a job that answered"
     assert job.return_value() == "answered"
     assert job_id not in StartedJobRegistry(INTERACTIVE, connection=redis_conn).get_job_ids()
