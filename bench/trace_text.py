@@ -29,7 +29,7 @@ SPANS = [
     ("HTTP in", "client_send", "web_request_in"),
     ("parse, validate, resolve", "web_request_in", "web_enqueue_start"),
     ("RQ builds the job", "web_enqueue_start", "web_job_built"),
-    ("to the worker (EXEC, BLPOP, HGETALL)", "web_job_built", "wk_dequeued"),
+    ("to the worker (EXEC, BLPOP and claim)", "web_job_built", "wk_dequeued"),
     ("RQ prepares the job", "wk_dequeued", "wk_prepared"),
     ("RQ calls the function", "wk_prepared", "wk_job_function"),
     ("job set-up", "wk_job_function", "wk_generate"),
@@ -42,9 +42,8 @@ SPANS = [
 SIDE_SPANS = [("web's enqueue transaction", "web_job_built", "web_enqueue_done"),
               ("worker's publish call", "wk_publish_answer", "wk_published")]
 """Spans that overlap the critical path."""
-SUB_SPANS = [("to the worker: EXEC, BLPOP returns", "web_job_built", "wk_popped"),
-             ("to the worker: job fetched (HGETALL)", "wk_popped", "wk_fetched"),
-             ("to the worker: RQ's dequeue", "wk_fetched", "wk_dequeued"),
+SUB_SPANS = [("to the worker: EXEC, BLPOP and claim", "web_job_built", "wk_claimed"),
+             ("to the worker: RQ's dequeue", "wk_claimed", "wk_dequeued"),
              ("back: publish to the pub/sub reader", "wk_publish_answer", "web_hub_got"),
              ("back: pub/sub reader to the request", "web_hub_got", "web_got_done")]
 """The parts of two spans of the critical path (to the worker, and publish to the web)."""

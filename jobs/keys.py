@@ -49,3 +49,7 @@ def result_key(job_id: str) -> str:
 def checkpoint_key(job_id: str) -> str:
     """Hash holding a long job's resume state (written by the worker between chunks)."""
     return f"{PREFIX}:ckpt:{job_id}"
+
+
+WORKER_DOORBELL = f"{PREFIX}:doorbell"
+"""List the GPU worker blocks on: a token goes in with every job pushed on its queues (jobs.queues)."""

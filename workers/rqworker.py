@@ -3,13 +3,14 @@
 Between a synchronous call's enqueue and its answer, every Redis round trip the worker makes is
 latency the client sees. RQ 3 (pinned in pyproject.toml: this class leans on its internals) sends
 a bare worker heartbeat, three commands in three round trips, before and after every dequeue and
-after every job, fetches the job in a round trip of its own, and prepares it in two pipelines, one
-after the other, waiting for each. Here:
+after every job, is woken by its BLPOP with a job's id only and fetches the job in a round trip of
+its own, and prepares it in two pipelines, one after the other, waiting for each. Here:
 - a bare heartbeat is one pipelined round trip, skipped when one went out less than
   BARE_HEARTBEAT_GAP_S ago (the worker key lives for minutes, and workers.main's Heartbeat thread
   beats during jobs);
-- fetching the job also reads its cancel flag, in the same round trip (the job function would
-  otherwise ask for it in a round trip of its own before generating);
+- the worker waits on jobs.queues' doorbell, and the reply that wakes it carries the job and its
+  cancel flag (jobs.queues.DoorbellQueue: the job function would otherwise also ask for the flag
+  in a round trip of its own before generating);
 - the two preparation pipelines go out as one transaction, and the job function starts without
   waiting for its reply: the replies are read before RQ records the job's end, so Redis still
   sees the job started before it sees it end (an error in them is raised; a connection lost
@@ -26,36 +27,17 @@ import time
 import redis
 from rq import SimpleWorker
 from rq import job as rq_job
-from rq.exceptions import NoSuchJobError
 from rq.executions import Execution
 from rq.queue import Queue
 from rq.utils import now
 from rq.worker import WorkerStatus
 
-from jobs import keys
+from jobs.queues import DoorbellQueue
 
 log = logging.getLogger(__name__)
 
 BARE_HEARTBEAT_GAP_S = 1.0
 """RQ's own bare worker heartbeats closer together than this are skipped."""
-
-
-class Job(rq_job.Job):
-    """RQ's Job, whose fetch also reads the job's cancel flag in the same round trip."""
-
-    cancel_flag_when_fetched: bool | None = None
-    """Whether a client had asked to cancel the job when it was fetched (read by workers.tasks)."""
-
-    def refresh(self):
-        """Load the job's hash (NoSuchJobError when it is gone) and its cancel flag, in one round trip."""
-        with self.connection.pipeline(transaction=False) as pipeline:
-            pipeline.hgetall(self.key)
-            pipeline.exists(keys.cancel_flag(self.id))
-            data, canceled = pipeline.execute()
-        if not data:
-            raise NoSuchJobError(f"No such job: {self.key}")
-        self.restore(data)
-        self.cancel_flag_when_fetched = bool(canceled)
 
 
 class SentTransaction:
@@ -105,10 +87,10 @@ class SentTransaction:
 
 
 class Worker(SimpleWorker):
-    """SimpleWorker (no fork: models stay resident) with batched heartbeats, fetch and preparation."""
+    """SimpleWorker (no fork: models stay resident) with batched heartbeats, dequeue and preparation."""
 
     log_result_lifespan = False  # "result is kept for N seconds" on every job says nothing new
-    job_class = Job
+    queue_class = DoorbellQueue
 
     _last_bare_heartbeat = -math.inf
     _prepared_job_id: str | None = None
@@ -127,7 +109,7 @@ class Worker(SimpleWorker):
         self._last_bare_heartbeat = moment
         return None
 
-    def prepare_execution(self, job: Job) -> Execution:
+    def prepare_execution(self, job: rq_job.Job) -> Execution:
         """Send RQ's execution record and the job's started state as one transaction, unconfirmed."""
         with self.connection.pipeline() as pipeline:
             heartbeat_ttl = self.get_heartbeat_ttl(job)
@@ -150,7 +132,7 @@ class Worker(SimpleWorker):
             preparation, self._preparation = self._preparation, None
             preparation.confirm()
 
-    def handle_execution_ended(self, job: Job, queue: Queue, heartbeat_ttl: int):
+    def handle_execution_ended(self, job: rq_job.Job, queue: Queue, heartbeat_ttl: int):
         """RQ's end of a job, once its start is confirmed: Redis must see the start first."""
         try:
             self.confirm_preparation()
@@ -160,7 +142,7 @@ class Worker(SimpleWorker):
             log.warning("no reply to the preparation of job %s (%s); recording its end anyway", job.id, exc)
         super().handle_execution_ended(job, queue, heartbeat_ttl)
 
-    def execute_job(self, job: Job, queue: Queue):
+    def execute_job(self, job: rq_job.Job, queue: Queue):
         """Run the job (RQ's SimpleWorker); never leave a preparation's reply unread."""
         try:
             super().execute_job(job, queue)
@@ -171,7 +153,7 @@ class Worker(SimpleWorker):
                 except redis.RedisError as exc:
                     log.warning("preparing job %s failed: %s", job.id, exc)
 
-    def prepare_job_execution(self, job: Job, remove_from_intermediate_queue: bool = False) -> None:
+    def prepare_job_execution(self, job: rq_job.Job, remove_from_intermediate_queue: bool = False) -> None:
         """Skip RQ's second preparation pipeline when prepare_execution already sent it."""
         if self._prepared_job_id == job.id and not remove_from_intermediate_queue:
             self._prepared_job_id = None

@@ -87,30 +87,22 @@ def patch_web() -> None:
 
 
 def patch_worker() -> None:
-    """Mark: RQ handing over the job, its preparation, the job function, generation and the answer's publish."""
-    from rq import Queue, get_current_job
-    from rq.job import Job
+    """Mark: the job claimed, RQ handing it over, its preparation, the job function, generation and the answer's publish."""
+    from rq import get_current_job
 
     from jobs import events
+    from jobs.queues import DoorbellQueue
     from workers import engine, rqworker, tasks
 
-    lpop = Queue.lpop.__func__
+    dequeue_any = DoorbellQueue.dequeue_any.__func__
 
-    def timed_lpop(cls, *args, **kwargs):
-        result = lpop(cls, *args, **kwargs)
+    def timed_dequeue(cls, *args, **kwargs):
+        result = dequeue_any(cls, *args, **kwargs)
         if result:
-            mark(result[1].decode() if isinstance(result[1], bytes) else result[1], "wk_popped")
+            mark(result[0].id, "wk_claimed")
         return result
 
-    Queue.lpop = classmethod(timed_lpop)
-    fetch = Job.fetch.__func__
-
-    def timed_fetch(cls, job_id, *args, **kwargs):
-        job = fetch(cls, job_id, *args, **kwargs)
-        mark(job_id, "wk_fetched")
-        return job
-
-    Job.fetch = classmethod(timed_fetch)
+    DoorbellQueue.dequeue_any = classmethod(timed_dequeue)
     _wrap(rqworker.Worker, "execute_job", before=lambda args: mark(args[1].id, "wk_dequeued"))
     _wrap(rqworker.Worker, "prepare_execution", after=lambda args, _: mark(args[1].id, "wk_prepared"))
     run_text_job = tasks._run_text_job
