@@ -97,6 +97,8 @@ class DoorbellQueue(Queue):
         The job's `cancel_flag_when_fetched` says whether a cancel had been asked for.
         """
         queue_keys = [queue.key for queue in queues]
+        # EVAL with the script's text, not redis-py's Script (EVALSHA): in a pipeline, that first
+        # asks SCRIPT EXISTS in a round trip of its own, the very round trip this saves.
         claim = (_CLAIM_LUA, 1 + len(queue_keys), keys.WORKER_DOORBELL, *queue_keys,
                  rq_job.Job.redis_job_namespace_prefix, keys.cancel_flag(""))
         if timeout is None:

@@ -169,9 +169,9 @@ def _generate_choice(runtime: Runtime, publisher: EventPublisher, job, index: in
 def _canceled_before_prompt(job, publisher: EventPublisher, index: int, held: list) -> bool:
     """Whether a client asked to cancel the job, checked before prompt `index` starts.
 
-    Before the first, the flag workers.rqworker's Job read when the worker fetched it (Redis is
-    asked under another RQ worker class); between prompts, publishing the previous one's last
-    delta reports it, and only without such a delta is Redis asked.
+    Before the first, the flag read with the job when the worker claimed it (jobs.queues'
+    DoorbellQueue; Redis is asked under another RQ worker class); between prompts, publishing the
+    previous one's last delta reports it, and only without such a delta is Redis asked.
     """
     if index == 0:
         known = getattr(job, "cancel_flag_when_fetched", None)

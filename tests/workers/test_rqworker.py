@@ -80,10 +80,13 @@ def failing(payload: dict) -> None:
 
 
 def run_one_job(redis_conn, settings, func: str, worker_class: type[Worker] = Worker) -> tuple[Worker, Job]:
-    """Enqueue `func({})` on the interactive queue, run a burst worker of `worker_class` on it, and
-    return the worker and the job as Redis holds it afterwards."""
-    worker = worker_class([get_queue(INTERACTIVE, redis_conn)], connection=redis_conn, serializer=JSONSerializer,
-                          name=f"test-{new_job_id('w')}")
+    """Enqueue `func({})` on the interactive queue, run a burst worker of `worker_class` on the GPU
+    worker's two queues, and return the worker and the job as Redis holds it afterwards.
+
+    Two queues, as workers.main runs it: on a single queue RQ prepares the job a second time itself.
+    """
+    worker = worker_class([get_queue(q, redis_conn) for q in (INTERACTIVE, BATCH)], connection=redis_conn,
+                          serializer=JSONSerializer, name=f"test-{new_job_id('w')}")
     job_id = new_job_id("one")
     enqueue(redis_conn, settings, INTERACTIVE, func, {}, job_id)
     worker.work(burst=True)
