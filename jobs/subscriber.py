@@ -87,10 +87,6 @@ class EventHub:
             event = decode(data)
             for q in listeners:
                 q.put(event)
-            # Let the woken listeners run now, before this reader goes back into redis-py for the
-            # next message: under gevent, a synchronous call's answer then reaches its request
-            # ~50 µs sooner (bench/trace_text.py). Without gevent it only offers the GIL.
-            time.sleep(0)
 
 
 def follow(

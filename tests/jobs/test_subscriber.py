@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import queue
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import redis
@@ -15,8 +12,6 @@ import redis
 from jobs.events import DELTA, DONE, EventPublisher
 from jobs.subscriber import EventHub, follow
 from tests.conftest import wait_until
-
-REPO = Path(__file__).resolve().parents[2]
 
 NO_CATCH_UP_S = 60.0
 """follow()'s idle re-read of the log, set beyond each test's bounded waits: events must come live."""
@@ -110,38 +105,3 @@ def test_an_idle_hub_keeps_its_subscription_past_the_socket_timeout(redis_conn, 
 def pattern_subscribers(redis_conn) -> set[str]:
     """Redis's ids of the connections subscribed to a pattern."""
     return {c["id"] for c in redis_conn.client_list(_type="pubsub") if int(c.get("psub", 0))}
-
-
-GEVENT_HANDOFF = """
-from gevent import monkey; monkey.patch_all()
-import sys, gevent, redis
-from jobs.events import DONE, EventPublisher
-from jobs.subscriber import EventHub
-connection = redis.Redis.from_url(sys.argv[1])
-hub, order = EventHub(connection), []
-dispatch = EventHub._dispatch
-def traced_dispatch(self, channel, data):
-    dispatch(self, channel, data)
-    order.append("reader moved on")
-EventHub._dispatch = traced_dispatch
-with hub.listen("handoff") as live:
-    def request():
-        live.get(timeout=5)
-        order.append("request woke")
-    waiting = gevent.spawn(request)
-    with gevent.Timeout(5):
-        while connection.pubsub_numpat() < 1:
-            gevent.sleep(0.01)
-    EventPublisher(connection, ttl_s=60, log_max=10).publish("handoff", DONE, {})
-    waiting.join(5)
-print(order)
-"""
-
-
-def test_under_gevent_the_reader_lets_the_woken_request_run_before_reading_on(redis_url):
-    # Under gevent (the web tier) a synchronous call's answer is on its critical path here: the
-    # request waiting for it should run before the reader goes back into redis-py.
-    result = subprocess.run([sys.executable, "-c", GEVENT_HANDOFF, redis_url], cwd=REPO, capture_output=True,
-                            text=True, timeout=30)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "['request woke', 'reader moved on']"
