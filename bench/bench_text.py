@@ -20,6 +20,7 @@ import os
 import platform
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -91,6 +92,54 @@ class Direct:
 
     def close(self) -> None:
         """Nothing to stop."""
+
+
+class DirectElsewhere:
+    """The same baseline in a process of its own (`--control`): what two identical direct callers
+    differ by in one run is how finely this machine can resolve a process's added latency at all."""
+
+    name = "direct_other_process"
+
+    def __init__(self, model_dir: Path):
+        code = ("import sys; sys.path.insert(0, sys.argv[1]); from bench.bench_text import serve_direct; "
+                "serve_direct(sys.argv[2])")
+        self.process = subprocess.Popen([sys.executable, "-c", code, str(REPO), str(model_dir)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        self._ask("ready")
+
+    def _ask(self, command: str) -> float:
+        self.process.stdin.write(command + "\n")
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the direct process exited (code {self.process.wait(10)})")
+        return float(line)
+
+    def one_token(self) -> float:
+        """Seconds for a 1-token greedy chat, timed inside the other process exactly as Direct times it."""
+        return self._ask("one")
+
+    def decode(self, max_tokens: int) -> float:
+        """Decode tokens/s, measured inside the other process as Direct measures it."""
+        return self._ask(f"decode {max_tokens}")
+
+    def close(self) -> None:
+        """Stop the process (it exits at the end of its input)."""
+        self.process.stdin.close()
+        self.process.wait(30)
+
+
+def serve_direct(model_dir: str) -> None:
+    """The loop of DirectElsewhere's process: a command per input line, a number per output line."""
+    direct = Direct(Path(model_dir))
+    for line in sys.stdin:
+        command, *arg = line.split()
+        if command == "one":
+            result = direct.one_token()
+        elif command == "decode":
+            result = direct.decode(int(arg[0]))
+        else:  # "ready": the model is loaded
+            result = 0.0
+        print(result, flush=True)
 
 
 class HTTPServer:
@@ -227,6 +276,8 @@ def main() -> None:
                         help="also run another mlxq with these environment settings (repeatable)")
     parser.add_argument("--also-stream-interval-ms", type=int, default=None,
                         help="the same as --also MLXQ_STREAM_INTERVAL_MS=N")
+    parser.add_argument("--control", action="store_true",
+                        help="also time direct in a second process: the machine's own difference between two processes")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     reexec_with_worker_blas()
@@ -238,6 +289,8 @@ def main() -> None:
         model_dir = same_weights_everywhere(args.model)
         report["model_as_run"] = str(model_dir)
         contestants.append(Direct(model_dir))
+        if args.control:
+            contestants.append(DirectElsewhere(model_dir))
         contestants.append(start_mlxq(model_dir, redis_url))
         contestants.append(start_mlx_lm_server(model_dir))
         for db, env in enumerate(other_mlxq_settings(args), start=1):
