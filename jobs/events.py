@@ -63,17 +63,78 @@ class EventPublisher:
     def publish_many(self, job_id: str, events: list[tuple[str, dict | None]]) -> tuple[int, bool]:
         """Publish events in order in one round trip; return (the last id, 0 if the job had ended;
         whether a cancel of the job was requested)."""
+        job_keys, args = self._keys_and_args(job_id, events)
+        last_id, cancel_requested = self._script(keys=job_keys, args=args)
+        return int(last_id), bool(cancel_requested)
+
+    def send_many(self, job_id: str, events: list[tuple[str, dict | None]]) -> "SentPublish":
+        """Send what publish_many would, without waiting for Redis's reply (read it with `result()`).
+
+        For a generating worker: a round trip it waits for is time the next token is not being
+        computed. The reply must be read before the job publishes anything else (on another
+        connection, the next publish could overtake this one).
+        """
+        job_keys, args = self._keys_and_args(job_id, events)
+        # EVAL with the script's text, not EVALSHA: a NOSCRIPT error, read only later, would mean
+        # events never published.
+        return SentPublish(self.connection.connection_pool, ("EVAL", _PUBLISH_LUA, len(job_keys), *job_keys, *args))
+
+    def _keys_and_args(self, job_id: str, events: list[tuple[str, dict | None]]) -> tuple[list, list]:
         args: list = [self.ttl_s, self.log_max]
         for event_type, data in events:
             args += [event_type, json.dumps(data or {}, separators=(",", ":"))]
         job_keys = [keys.event_seq(job_id), keys.event_log(job_id), keys.event_channel(job_id),
                     keys.cancel_flag(job_id)]
-        last_id, cancel_requested = self._script(keys=job_keys, args=args)
-        return int(last_id), bool(cancel_requested)
+        return job_keys, args
 
     def error(self, job_id: str, message: str, code: str = "internal_error", **extra) -> int:
         """Publish the terminal error event of a job."""
         return self.publish(job_id, ERROR, {"message": message, "code": code, **extra})
+
+
+class SentPublish:
+    """A publish sent to Redis whose reply is read later, on a connection held until then."""
+
+    def __init__(self, pool: redis.ConnectionPool, command: tuple):
+        self._pool = pool
+        self._reply: tuple[int, bool] | None = None
+        self._connection = pool.get_connection()
+        try:
+            self._connection.send_command(*command)
+        except BaseException:
+            self._release(broken=True)
+            raise
+
+    @property
+    def pending(self) -> bool:
+        """Whether the reply is still unread."""
+        return self._connection is not None
+
+    def result(self) -> tuple[int, bool]:
+        """Read the reply (waiting for it if it has not come yet): (the last id, whether a cancel of
+        the job was requested). Raises the publish's error. Idempotent."""
+        if self._reply is None:
+            if self._connection is None:
+                raise redis.ConnectionError("the reply to this publish was lost with its connection")
+            try:
+                last_id, cancel_requested = self._connection.read_response()
+            except BaseException:
+                self._release(broken=True)  # the reply may still come, on a connection nobody reads
+                raise
+            self._release(broken=False)
+            self._reply = (int(last_id), bool(cancel_requested))
+        return self._reply
+
+    def discard(self) -> None:
+        """Give the connection back without reading the reply (when leaving on an error)."""
+        if self._connection is not None:
+            self._release(broken=True)
+
+    def _release(self, broken: bool) -> None:
+        connection, self._connection = self._connection, None
+        if broken:
+            connection.disconnect()
+        self._pool.release(connection)
 
 
 def decode(raw: bytes | str) -> dict:

@@ -16,13 +16,13 @@ from rq import get_current_job
 from rq.timeouts import JobTimeoutException
 
 from jobs import keys, records
-from jobs.events import DELTA, DONE, ERROR, EventPublisher
+from jobs.events import DELTA, DONE, ERROR, EventPublisher, SentPublish
 from jobs.settings import load_settings
 from jobs.store import ModelInfo, ModelNotFound, resolve
 from jobs.webhooks import finish_record
 from workers.engine import Canceled, Runtime, Stream
 from workers.registry import ModelTooLarge
-from workers.text import ContextLengthExceeded, Sampling
+from workers.text import ContextLengthExceeded, Piece, Sampling
 
 _runtime: Runtime | None = None
 
@@ -141,14 +141,17 @@ def _generate_choice(runtime: Runtime, publisher: EventPublisher, job, index: in
     the stream, which the caller closes).
 
     Deltas go out at most one per settings.stream_interval_ms, each carrying every token generated
-    meanwhile: fewer Redis round trips between tokens. Each publish also reports a requested
-    cancel. It returns as soon as the piece with the finish reason arrives, without letting mlx-lm
-    finish the token it has already started computing; the text of that last batch is returned
-    unpublished, for the caller to send with the next event in one round trip.
+    meanwhile: fewer Redis round trips between tokens. A delta is sent without waiting for Redis's
+    reply, which is read when the next one goes out (it has long arrived by then): generation is
+    CPU-bound for small models, and a round trip waited for is time no token is computed. Each
+    reply reports a requested cancel, so a cancel stops generation at the next delta after the one
+    that saw it. It returns as soon as the piece with the finish reason arrives, without letting
+    mlx-lm finish the token it has already started computing; the text of that last batch is
+    returned unpublished, for the caller to send with the next event in one round trip.
     """
     stream = runtime.generate_text(info, prompt, sampling)
     interval = runtime.settings.stream_interval_ms / 1000
-    parts, final, last_delta = [], None, ""
+    parts, final, last_delta, sent = [], None, "", None
     try:
         for batch in stream.batches(interval=interval):
             delta = "".join(piece.text for piece in batch)
@@ -157,13 +160,23 @@ def _generate_choice(runtime: Runtime, publisher: EventPublisher, job, index: in
             if final.final:
                 last_delta = delta
                 break
-            if delta and publisher.publish_many(job.id, [(DELTA, {"index": index, "text": delta})])[1]:
-                raise Canceled(f"canceled after {final.tokens} generated tokens")
+            if delta:
+                _raise_if_canceled(sent, final)
+                sent = publisher.send_many(job.id, [(DELTA, {"index": index, "text": delta})])
+        _raise_if_canceled(sent, final)  # and the last delta is in before the answer goes out
     except BaseException:
+        if sent is not None:
+            sent.discard()
         stream.close()  # leaving early (a cancel, a timeout, a Redis error): generation stops here
         raise
     choice = {"index": index, "text": "".join(parts), "finish_reason": final.finish_reason}
     return choice, final, last_delta, stream
+
+
+def _raise_if_canceled(sent: SentPublish | None, last: Piece) -> None:
+    """Read the reply to the delta sent before (if any); raise Canceled if it reported a cancel."""
+    if sent is not None and sent.result()[1]:
+        raise Canceled(f"canceled after {last.tokens} generated tokens")
 
 
 def _canceled_before_prompt(job, publisher: EventPublisher, index: int, held: list) -> bool:

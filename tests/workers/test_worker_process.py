@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -152,6 +153,27 @@ def test_canceled_job_stops_with_a_canceled_error(runtime, redis_conn, settings)
     error = terminal(redis_conn, job_id, 5)
     assert (error["data"]["code"], error["data"]["status"]) == ("canceled", 499)
     assert deltas(redis_conn, job_id) == ""
+
+
+def test_a_cancel_while_generating_stops_the_job_at_the_next_delta(runtime, redis_conn, settings):
+    # Deltas go out without waiting for Redis's reply; the reply that reports the cancel is read when
+    # the next delta is due, so at most one more delta goes out after the flag is set.
+    job_id = submit(redis_conn, settings, chat_payload(LONG, max_tokens=500))
+    last_id_before_flag = []
+
+    def cancel_after_the_first_delta():
+        wait_until(lambda: deltas(redis_conn, job_id), 120, 0.005, what="the first delta")
+        last_id_before_flag.append(read_log(redis_conn, job_id)[-1]["id"])
+        redis_conn.set(keys.cancel_flag(job_id), 1, ex=60)
+
+    watcher = threading.Thread(target=cancel_after_the_first_delta, daemon=True)
+    watcher.start()
+    burst(redis_conn)
+    watcher.join(5)
+    error = terminal(redis_conn, job_id, 5)
+    assert (error["data"]["code"], error["data"]["status"]) == ("canceled", 499)
+    after = [e for e in read_log(redis_conn, job_id) if e["type"] == "delta" and e["id"] > last_id_before_flag[0]]
+    assert len(after) <= 2, f"{len(after)} deltas went out after the cancel"  # one may race the flag
 
 
 def test_worker_is_dead_when_its_process_is_gone(redis_conn):
