@@ -12,6 +12,7 @@ import json
 import redis
 
 from jobs import keys
+from jobs.connection import SentCommands
 
 DELTA = "delta"
 SEGMENT = "segment"
@@ -92,49 +93,20 @@ class EventPublisher:
         return self.publish(job_id, ERROR, {"message": message, "code": code, **extra})
 
 
-class SentPublish:
-    """A publish sent to Redis whose reply is read later, on a connection held until then."""
+class SentPublish(SentCommands):
+    """A publish sent to Redis whose reply is read later (EventPublisher.send_many)."""
 
     def __init__(self, pool: redis.ConnectionPool, command: tuple):
-        self._pool = pool
+        super().__init__(pool, [command])
         self._reply: tuple[int, bool] | None = None
-        self._connection = pool.get_connection()
-        try:
-            self._connection.send_command(*command)
-        except BaseException:
-            self._release(broken=True)
-            raise
-
-    @property
-    def pending(self) -> bool:
-        """Whether the reply is still unread."""
-        return self._connection is not None
 
     def result(self) -> tuple[int, bool]:
         """Read the reply (waiting for it if it has not come yet): (the last id, whether a cancel of
         the job was requested). Raises the publish's error. Idempotent."""
         if self._reply is None:
-            if self._connection is None:
-                raise redis.ConnectionError("the reply to this publish was lost with its connection")
-            try:
-                last_id, cancel_requested = self._connection.read_response()
-            except BaseException:
-                self._release(broken=True)  # the reply may still come, on a connection nobody reads
-                raise
-            self._release(broken=False)
+            [(last_id, cancel_requested)] = self._read_replies(1)
             self._reply = (int(last_id), bool(cancel_requested))
         return self._reply
-
-    def discard(self) -> None:
-        """Give the connection back without reading the reply (when leaving on an error)."""
-        if self._connection is not None:
-            self._release(broken=True)
-
-    def _release(self, broken: bool) -> None:
-        connection, self._connection = self._connection, None
-        if broken:
-            connection.disconnect()
-        self._pool.release(connection)
 
 
 def decode(raw: bytes | str) -> dict:

@@ -32,6 +32,7 @@ from rq.queue import Queue
 from rq.utils import now
 from rq.worker import WorkerStatus
 
+from jobs.connection import SentCommands
 from jobs.queues import DoorbellQueue
 
 log = logging.getLogger(__name__)
@@ -40,50 +41,23 @@ BARE_HEARTBEAT_GAP_S = 1.0
 """RQ's own bare worker heartbeats closer together than this are skipped."""
 
 
-class SentTransaction:
-    """A pipeline's commands, sent now as one MULTI/EXEC transaction, whose replies are read later.
-
-    It holds a connection of the client's pool until `confirm`, so that nothing else reads (or
-    writes) on that connection in between.
-    """
+class SentTransaction(SentCommands):
+    """A pipeline's commands, sent now as one MULTI/EXEC transaction, whose replies are read later."""
 
     def __init__(self, pipeline: redis.client.Pipeline):
-        self._pool = pipeline.connection_pool
         self._count = len(pipeline.command_stack)
         commands = [("MULTI",), *(args for args, _options in pipeline.command_stack), ("EXEC",)]
-        self._connection = self._pool.get_connection()
-        try:
-            self._connection.send_packed_command(self._connection.pack_commands(commands))
-        except BaseException:
-            self._release(broken=True)
-            raise
-
-    @property
-    def pending(self) -> bool:
-        """Whether the replies are still unread."""
-        return self._connection is not None
+        super().__init__(pipeline.connection_pool, commands)
 
     def confirm(self) -> None:
         """Read the transaction's replies; raise the first error. Idempotent."""
-        if self._connection is None:
+        if not self.pending:
             return
-        try:
-            for _ in range(self._count + 1):  # +OK for MULTI, then +QUEUED for each command
-                self._connection.read_response()
-            results = self._connection.read_response()  # EXEC: one result per command
-        except BaseException:
-            self._release(broken=True)  # replies may be left unread on it
-            raise
-        self._release(broken=False)
+        # +OK for MULTI, +QUEUED for each command, then EXEC's list of one result per command.
+        results = self._read_replies(self._count + 2)[-1]
         errors = [r for r in results or () if isinstance(r, Exception)]
         if results is None or len(results) != self._count or errors:
             raise errors[0] if errors else redis.ResponseError(f"transaction answered {results!r}")
-
-    def _release(self, broken: bool) -> None:
-        connection, self._connection = self._connection, None
-        if broken:
-            connection.disconnect()
-        self._pool.release(connection)
 
 
 class Worker(SimpleWorker):
