@@ -6,49 +6,22 @@ only the window asked for, so a two-hour upload costs a few megabytes of memory,
 
 from __future__ import annotations
 
-import struct
 from pathlib import Path
 from typing import Iterator
 
 import av
 import numpy as np
 
+from jobs import media
+from jobs.media import MediaError as AudioError  # noqa: F401  (the worker's name for a refused file)
+
 SAMPLE_RATE = 16000
 """Whisper's sample rate: everything is resampled to it."""
 
-_TAIL_CHECK_S = 1.0
-"""probe() decodes this close to the declared end to notice a file cut short."""
 
-
-class AudioError(ValueError):
-    """The upload is not usable audio; the message says why (sent to the client as a 400)."""
-
-
-def probe(path) -> float:
-    """Return the duration in seconds, or raise AudioError if the file is not decodable audio."""
-    path = Path(path)
-    if path.stat().st_size == 0:
-        raise AudioError("empty audio (0 s): the file is empty")
-    _check_wav_length(path)
-    with _open(path) as container:
-        stream = _audio_stream(container)
-        duration = _declared_duration(container, stream)
-        if duration is None:
-            duration = _decoded_duration(container, stream)
-        elif duration > 0 and not _decodes_near(container, stream, duration):
-            duration = _recount(path, declared=duration)
-    if duration <= 0:
-        raise AudioError("empty audio (0 s): the file holds no samples")
-    return duration
-
-
-def _recount(path, declared: float) -> float:
-    """The real duration of a file with nothing near its declared end (estimated from a bitrate, or cut)."""
-    with _open(path) as container:
-        duration = _decoded_duration(container, _audio_stream(container))
-    if duration <= 0:
-        raise AudioError(f"corrupt or truncated audio (declares {declared:.1f} s, no decodable samples)")
-    return duration
+def probe(path, max_duration_s: float | None = None) -> float:
+    """Return the duration in seconds, or raise AudioError if the file is not whole, decodable audio."""
+    return media.probe(Path(path), max_duration_s).duration_s
 
 
 def iter_samples(path, start_s: float = 0.0) -> Iterator[np.ndarray]:
@@ -119,80 +92,21 @@ def iter_windows(path, window_s: float, start_s: float = 0.0) -> Iterator[tuple[
 
 
 def _open(path):
-    """Open a container, turning FFmpeg's refusal into a clear AudioError."""
-    try:
-        return av.open(str(path), metadata_errors="ignore")
-    except av.error.FileNotFoundError:
-        raise
-    except av.error.FFmpegError as exc:
-        raise AudioError(f"not an audio file (no known audio format could read it: {exc.strerror})") from exc
+    """Open a container (jobs.media says why one cannot be)."""
+    return media.open_container(Path(path))
 
 
 def _audio_stream(container):
-    if not container.streams.audio:
-        kinds = ", ".join(sorted({s.type for s in container.streams})) or "nothing"
-        raise AudioError(f"no audio stream (the {container.format.name} file holds {kinds})")
-    stream = container.streams.audio[0]
+    stream = media.audio_stream(container)
     stream.thread_type = "AUTO"
     return stream
-
-
-def _declared_duration(container, stream) -> float | None:
-    """Duration from the headers, without decoding (None when the container does not say)."""
-    if stream.duration is not None and stream.time_base is not None:
-        return float(stream.duration * stream.time_base)
-    if container.duration is not None:
-        return container.duration / av.time_base
-    return None
-
-
-def _decoded_duration(container, stream) -> float:
-    """Duration found by decoding everything (for streams that declare none, e.g. live WebM)."""
-    return sum(frame.samples / frame.sample_rate for frame in _frames(container, stream))
-
-
-def _decodes_near(container, stream, duration: float) -> bool:
-    """Whether something decodes just before the declared end (a file cut short has nothing there)."""
-    if stream.time_base is not None and duration > _TAIL_CHECK_S:
-        container.seek(_to_pts(stream, duration - _TAIL_CHECK_S), stream=stream, backward=True)
-    return next(_frames(container, stream), None) is not None
-
-
-def _check_wav_length(path: Path) -> None:
-    """A WAV whose data chunk claims more bytes than the file holds was cut short.
-
-    FFmpeg quietly shortens such a file, so this is checked by reading the RIFF chunk headers.
-    """
-    with open(path, "rb") as f:
-        head = f.read(12)
-        if len(head) < 12 or head[:4] != b"RIFF" or head[8:12] != b"WAVE":
-            return
-        size = path.stat().st_size
-        while len(chunk := f.read(8)) == 8:
-            chunk_id, length = chunk[:4], struct.unpack("<I", chunk[4:])[0]
-            if chunk_id == b"data":
-                # 0 and 0xFFFFFFFF mean "unknown length" (written by a streaming recorder).
-                if length not in (0, 0xFFFFFFFF) and f.tell() + length > size:
-                    raise AudioError(f"corrupt or truncated audio (the WAV data is cut short: "
-                                     f"{size - f.tell()} of {length} bytes)")
-                return
-            f.seek(length + (length & 1), 1)
-
-
-def _frames(container, stream):
-    """Decoded frames of `stream`; FFmpeg errors mid-stream mean a damaged file."""
-    try:
-        for packet in container.demux(stream):
-            yield from packet.decode()
-    except av.error.FFmpegError as exc:
-        raise AudioError(f"corrupt or truncated audio ({exc.strerror})") from exc
 
 
 def _resampled(container, stream) -> Iterator[tuple[float | None, np.ndarray]]:
     """(time of the source frame, 16 kHz mono float32 samples) for every frame, then the flush."""
     resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
     start = stream.start_time or 0
-    for frame in _frames(container, stream):
+    for frame in media.frames(container, stream):
         when = None if frame.pts is None else float((frame.pts - start) * stream.time_base)
         for out in resampler.resample(frame):
             yield when, out.to_ndarray().reshape(-1)

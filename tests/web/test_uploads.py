@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import wave
 from pathlib import Path
 
 import pytest
@@ -134,10 +135,18 @@ def test_audio_check_names_what_is_wrong(tmp_path):
     error = _check_error(empty)
     assert (error.status, error.code, error.extra["reason"]) == (400, "invalid_audio", "empty")
 
-    header_only = tmp_path / "silent.wav"
+    no_frames = tmp_path / "silent.wav"
+    with wave.open(str(no_frames), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+    error = _check_error(no_frames)
+    assert (error.status, error.extra["reason"]) == (400, "empty")
+
+    header_only = tmp_path / "cut.wav"  # a header promising samples that never come
     header_only.write_bytes((SPEECH / "garden.wav").read_bytes()[:44])
     error = _check_error(header_only)
-    assert (error.status, error.extra["reason"]) == (400, "empty")
+    assert (error.status, error.code, error.extra["reason"]) == (400, "invalid_audio", "truncated")
 
     corrupt = tmp_path / "corrupt.ogg"
     ogg = (SPEECH / "weather.ogg").read_bytes()
