@@ -39,6 +39,13 @@ class Settings:
     max_upload_mb: int = 512
     """Largest audio upload accepted, in MiB."""
 
+    max_audio_s: float = 4 * 3600.0
+    """Longest audio accepted for transcription, in seconds: checked from the file's header when it is
+    uploaded, and enforced while the worker decodes it (a header may understate the length)."""
+
+    body_timeout_s: float = 30.0
+    """Longest wait for the next piece of a request body: a client that stops sending is answered 408."""
+
     max_queued: int = 200
     """Queue length above which new work is refused with 503 + Retry-After."""
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 
 from flask import Response, g, jsonify
-from flask_smorest import Blueprint
 
 from jobs import queues
 from jobs.events import DONE, SEGMENT
@@ -14,7 +13,9 @@ from web.audio_check import check_audio
 from web.audio_schemas import TranscriptionFileSchema, TranscriptionFormSchema
 from web.errors import APIError
 from web.jobrun import stream_response, submit, wait_for_result
+from web.jsonbody import Blueprint
 from web.openai_api import resolve_model, stream_error
+from web.services import services
 from web.sse import sse_data
 from web.uploads import Upload, accepts_upload, discard, keep, spool
 
@@ -34,7 +35,7 @@ def prepare_transcription(form: dict, files: dict, job_id: str, mode: str) -> tu
     """Resolve the model, spool and check the audio; return (worker payload, enqueue options, upload)."""
     info = resolve_model(form["model"], "speech")
     upload = spool(files["file"], job_id)
-    audio = check_audio(upload.path, upload.filename)
+    audio = check_audio(upload.path, upload.filename, services().settings.max_audio_s)
     payload = {
         "job_id": job_id, "model": info.id, "audio_path": str(upload.path), "filename": upload.filename,
         "language": form["language"], "prompt": form["prompt"], "temperature": form["temperature"],

@@ -19,6 +19,7 @@ from werkzeug.datastructures import FileStorage
 from werkzeug.utils import secure_filename
 
 from jobs.settings import Settings
+from jobs.spool import discard as discard_spooled
 from web.errors import APIError
 from web.services import services
 
@@ -150,6 +151,5 @@ def discard(directory: Path) -> None:
 
 
 def discard_job(job_id: str) -> None:
-    """Remove the spool directory of `job_id`, if any."""
-    if secure_filename(job_id) == job_id:  # ids come from URLs: never let one name another path
-        discard(services().settings.spool_dir / job_id)
+    """Remove the spool directory of `job_id`, if any (ids come from URLs: jobs.spool vets them)."""
+    discard_spooled(services().settings.spool_dir, job_id)

@@ -27,7 +27,7 @@ from rq.job_lifecycle import record_job_failure
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from jobs import keys
+from jobs import keys, spool
 from jobs.connection import get_redis
 from jobs.events import EventPublisher, has_ended
 from jobs.queues import INTERACTIVE, WORKER_QUEUES, get_queue
@@ -96,7 +96,8 @@ def worker_is_dead(connection: redis.Redis, worker_name: str | None) -> bool:
     return isinstance(pid, int) and (pid == os.getpid() or not _pid_running(pid))
 
 
-def recover_orphaned_jobs(connection: redis.Redis, publisher: EventPublisher, own_name: str) -> list[str]:
+def recover_orphaned_jobs(connection: redis.Redis, publisher: EventPublisher, own_name: str,
+                          spool_dir) -> list[str]:
     """Fail the interactive jobs a dead worker was running, with a `worker_died` error event.
 
     Batch jobs are left to RQ's abandoned-job handling (checkpoint resume comes later).
@@ -107,7 +108,7 @@ def recover_orphaned_jobs(connection: redis.Redis, publisher: EventPublisher, ow
         job = fetch_job(connection, job_id)
         if job is None or job.worker_name == own_name or not worker_is_dead(connection, job.worker_name):
             continue
-        fail_orphan(connection, publisher, job, registry, execution_id)
+        fail_orphan(connection, publisher, job, registry, execution_id, spool_dir)
         recovered.append(job_id)
     if recovered:
         log.warning("failed %d job(s) orphaned by a dead worker: %s", len(recovered), ", ".join(recovered))
@@ -115,10 +116,11 @@ def recover_orphaned_jobs(connection: redis.Redis, publisher: EventPublisher, ow
 
 
 def fail_orphan(connection: redis.Redis, publisher: EventPublisher, job: Job, registry: StartedJobRegistry,
-                execution_id: str) -> None:
-    """Publish the error event (unless the job already ended) and move the job to failed."""
+                execution_id: str, spool_dir) -> None:
+    """Publish the error event (unless the job already ended), drop its upload, move the job to failed."""
     if not has_ended(connection, job.id):
         publisher.error(job.id, WORKER_DIED, "worker_died", status=500)
+    spool.discard(spool_dir, job.id)
     with connection.pipeline() as pipe:
         record_job_failure(job, f"{WORKER_DIED} (worker {job.worker_name})", pipe)
         pipe.zrem(registry.key, f"{job.id}:{execution_id}")
@@ -185,7 +187,7 @@ class Heartbeat:
 
 def recover_all(connection: redis.Redis, settings: Settings, publisher: EventPublisher, own_name: str) -> None:
     """Fail interactive jobs a dead worker left behind; resume (or fail) its batch jobs from checkpoints."""
-    recover_orphaned_jobs(connection, publisher, own_name)
+    recover_orphaned_jobs(connection, publisher, own_name, settings.spool_dir)
     recover_batch_jobs(connection, settings, own_name=own_name, is_dead=lambda n: worker_is_dead(connection, n))
 
 

@@ -31,11 +31,14 @@ from mlx_audio.stt.models.whisper.decoding import DecodingOptions, DecodingResul
 from mlx_audio.stt.models.whisper.timing import add_word_timestamps
 from mlx_audio.stt.models.whisper.tokenizer import LANGUAGES, TO_LANGUAGE_CODE
 
-from workers.audio import AudioReader
+from workers.audio import SAMPLE_RATE, AudioError, AudioReader
 
 EDGE_MARGIN_S = 1.0
 """A segment ending this close to the end of a window that has audio after it may hold a word cut
 in two by the window edge: it is decoded again as the start of the next window instead."""
+
+LENGTH_SLACK_S = 1.0
+"""How far past settings.max_audio_s decoding may go before the file is refused (rounding in headers)."""
 
 TIME_PRECISION = 0.02
 """Seconds per Whisper timestamp token."""
@@ -55,6 +58,7 @@ class Options:
     prompt: str | None = None
     temperature: float = 0.0
     word_timestamps: bool = False
+    max_duration_s: float | None = None  # decoding stops with an error past this point of the file
 
 
 @dataclass
@@ -135,6 +139,7 @@ def transcribe_chunks(model, path, options: Options, start_state: ResumeState | 
     try:
         while True:
             samples = reader.read(state.seek * HOP_LENGTH, N_SAMPLES)
+            _check_length(options, state.seek * HOP_LENGTH + len(samples))
             if len(samples) < HOP_LENGTH:  # less than one frame left: nothing to decode
                 yield ChunkResult([], state, True)
                 return
@@ -145,6 +150,14 @@ def transcribe_chunks(model, path, options: Options, start_state: ResumeState | 
             state = chunk.state
     finally:
         reader.close()
+
+
+def _check_length(options: Options, end_sample: int) -> None:
+    """Stop a file that goes on past the limit: its header, checked at upload, understated its length."""
+    limit = options.max_duration_s
+    if limit and end_sample / SAMPLE_RATE > limit + LENGTH_SLACK_S:
+        raise AudioError("too_long", f"audio too long (it goes on past {limit:.0f} s, the limit, though its "
+                                     "header declared less)")
 
 
 def decode_window(model, samples: np.ndarray, options: Options, state: ResumeState, has_more: bool

@@ -22,7 +22,7 @@ from datetime import datetime, timezone
 import redis
 from rq import get_current_job
 
-from jobs import keys, records
+from jobs import keys, records, spool
 from jobs.events import DONE, ERROR, PROGRESS, SEGMENT, EventPublisher
 from jobs.queues import BATCH, INTERACTIVE, TRANSCRIPTION, get_queue
 from jobs.settings import Settings
@@ -61,7 +61,8 @@ class Transcription:
         self.publisher = EventPublisher(self.conn, self.settings.result_ttl_s, self.settings.event_log_max)
         self.options = speech.Options(language=payload.get("language"), prompt=payload.get("prompt"),
                                       temperature=float(payload.get("temperature") or 0.0),
-                                      word_timestamps=bool(payload.get("word_timestamps")))
+                                      word_timestamps=bool(payload.get("word_timestamps")),
+                                      max_duration_s=self.settings.max_audio_s)
         self.total_s = 0.0
         self._clock = (time.monotonic(), 0.0)  # (when, done_s) this run started: for the ETA
 
@@ -69,7 +70,7 @@ class Transcription:
         """Run chunks until the end, a cancel, or a reason to yield."""
         state = self._start()
         info = self._resolve_model()
-        self.total_s = probe(self.payload["audio_path"])
+        self.total_s = probe(self.payload["audio_path"], self.settings.max_audio_s)
         self._clock = (time.monotonic(), state.offset_s if state else 0.0)
         model = self.runtime.warm(info).model
         chunks = speech.transcribe_chunks(model, self.payload["audio_path"], self.options, state)
@@ -92,6 +93,7 @@ class Transcription:
         finish_record(self.conn, self.settings, self.job_id, records.status_of_error(error), error)
         self.publisher.publish(self.job_id, ERROR, error)
         self.conn.delete(records.checkpoint_key(self.job_id), segments_key(self.job_id))  # nothing to resume
+        spool.discard(self.settings.spool_dir, self.job_id)  # a timeout or a cancel too: nobody needs it now
 
     def _start(self) -> speech.ResumeState | None:
         """Mark the record running; on a continuation, load the checkpoint and republish what was lost."""
@@ -165,6 +167,7 @@ class Transcription:
         finish_record(self.conn, self.settings, self.job_id, records.SUCCEEDED, result=result)
         self.publisher.publish(self.job_id, DONE, {"result": result})
         self.conn.delete(records.checkpoint_key(self.job_id), segments_key(self.job_id))
+        spool.discard(self.settings.spool_dir, self.job_id)
         return result
 
 
@@ -228,5 +231,7 @@ def build_result(segments: list[dict], language: str | None, duration_s: float, 
 def _describe(exc: Exception) -> tuple[int, str, str]:
     """(status, code, message) of the error event; undecodable audio is the client's fault (400)."""
     if isinstance(exc, AudioError):
-        return 400, "invalid_audio", str(exc)
+        if exc.reason == "not_audio":
+            return 415, "unsupported_media_type", str(exc)
+        return 400, "audio_too_long" if exc.reason == "too_long" else "invalid_audio", str(exc)
     return describe_error(exc)

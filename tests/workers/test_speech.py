@@ -352,3 +352,14 @@ def test_clean_spool(redis_conn, settings):
     removed = clean_spool(settings, now=now)
     assert sorted(p.name for p in removed) == [".upload-abc", "job-old", "sync-orphan"]
     assert sorted(p.name for p in settings.spool_dir.iterdir()) == ["job-recent", "job-running", "sync-fresh"]
+
+
+def test_decoding_stops_at_the_duration_limit_whatever_the_header_said(runtime, whisper):
+    # The probe at upload checks the declared length; a file running past it is cut off while decoding.
+    options = speech.Options(max_duration_s=10)
+    with pytest.raises(speech.AudioError) as refused:
+        runtime.engine.call(lambda: list(speech.transcribe_chunks(whisper, SPEECH / "garden.wav", options)))
+    assert refused.value.reason == "too_long" and "past 10 s" in str(refused.value)
+    chunks = runtime.engine.call(lambda: list(speech.transcribe_chunks(
+        whisper, SPEECH / "garden.wav", speech.Options(max_duration_s=15))))  # 14.96 s: within the limit
+    assert chunks[-1].finished
