@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,10 +125,12 @@ def token_budget(prompt_tokens: int, max_tokens: int, context_length: int | None
     return int(min(max_tokens, limit - prompt_tokens))
 
 
-def _generation_kwargs(sampling: Sampling) -> dict:
+def _generation_kwargs(sampling: Sampling, vocab_size: int) -> dict:
     """stream_generate's sampler and logits processors for these settings."""
-    sampler = make_sampler(temp=sampling.temperature, top_p=sampling.top_p, min_p=sampling.min_p,
-                           top_k=sampling.top_k)
+    # A top_k of the whole vocabulary or more keeps every token: the same as no top_k, which mlx-lm
+    # refuses to be given (its check raises inside a compiled function).
+    top_k = sampling.top_k if 0 < sampling.top_k < vocab_size else 0
+    sampler = make_sampler(temp=sampling.temperature, top_p=sampling.top_p, min_p=sampling.min_p, top_k=top_k)
     penalty = sampling.repetition_penalty
     processors = make_logits_processors(repetition_penalty=penalty) if penalty and penalty != 1.0 else None
     return {"sampler": sampler, "logits_processors": processors}
@@ -144,13 +147,34 @@ def generate(model, tokenizer, prompt: list[int], sampling: Sampling,
     if sampling.seed is not None:
         mx.random.seed(sampling.seed)
     stops = StopBuffer(sampling.stop)
-    for step in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=budget,
-                                       **_generation_kwargs(sampling)):
-        text, matched = stops.feed(step.text)
-        if matched:
-            yield Piece(text, step.generation_tokens, len(prompt), "stop")
-            return
-        if step.finish_reason:
-            yield Piece(text + stops.flush(), step.generation_tokens, len(prompt), step.finish_reason)
-            return
-        yield Piece(text, step.generation_tokens, len(prompt))
+    kwargs = _generation_kwargs(sampling, output_size(model, tokenizer))
+    try:
+        for step in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=budget, **kwargs):
+            text, matched = stops.feed(step.text)
+            if matched:
+                yield Piece(text, step.generation_tokens, len(prompt), "stop")
+                return
+            if step.finish_reason:
+                yield Piece(text + stops.flush(), step.generation_tokens, len(prompt), step.finish_reason)
+                return
+            yield Piece(text, step.generation_tokens, len(prompt))
+    except Exception:
+        reset_random_state()
+        raise
+
+
+def reset_random_state() -> None:
+    """Give MLX's global generator a fresh key after a failed generation.
+
+    mlx-lm's samplers are compiled with the generator's state as input and output; an exception
+    raised while one is traced leaves a placeholder array in that state, and from then on every
+    sampled generation in the process fails ("Attempting to eval an array without a primitive").
+    """
+    mx.random.seed(int.from_bytes(os.urandom(8), "little"))
+
+
+def output_size(model, tokenizer) -> int:
+    """How many tokens the model's output layer scores (its config's vocabulary, else the tokenizer's)."""
+    args = getattr(model, "args", None)
+    size = getattr(args, "vocab_size", None) or getattr(tokenizer, "vocab_size", None)
+    return int(size) if size else 2**31 - 1

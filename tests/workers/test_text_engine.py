@@ -193,3 +193,24 @@ def test_stop_buffer_holds_back_possible_stop_prefixes():
     assert buffer.feed(" E") == (" ", False)
     assert buffer.feed("NDING") == ("", True)
     assert StopBuffer([]).feed("x") == ("x", False)
+
+
+def test_top_k_of_the_whole_vocabulary_samples_like_no_top_k(runtime, info):
+    # mlx-lm refuses top_k >= its vocabulary inside a compiled sampler; the backend treats it as no top_k.
+    vocab = info.vocab_size
+    whole = Sampling(temperature=0.8, top_k=vocab, seed=7, max_tokens=8)
+    _, final = run(runtime, info, STORY, whole)
+    _, unbounded = run(runtime, info, STORY, replace(whole, top_k=0))
+    assert final.tokens == unbounded.tokens == 8
+    pieces, _ = run(runtime, info, STORY, whole)
+    again, _ = run(runtime, info, STORY, replace(whole, top_k=0))
+    assert "".join(p.text for p in pieces) == "".join(p.text for p in again)
+
+
+def test_a_request_failing_inside_the_sampler_does_not_break_sampling_for_the_next(runtime, info):
+    # min_p above 1 makes mlx-lm raise while its compiled sampler is being traced, which used to leave
+    # MLX's random state holding a placeholder: every later sampled request then failed.
+    with pytest.raises(ValueError, match="min_p"):
+        run(runtime, info, STORY, Sampling(temperature=0.7, min_p=2.0, max_tokens=4))
+    _, final = run(runtime, info, STORY, Sampling(temperature=0.7, max_tokens=4))
+    assert final.tokens == 4
