@@ -25,6 +25,11 @@ TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELED})
 JOBS_INDEX = f"{keys.PREFIX}:jobs"
 """Sorted set of every job id, scored by creation time (listing, newest first)."""
 
+
+def owner_index(owner: str) -> str:
+    """Sorted set of the job ids one owner created, scored like JOBS_INDEX (its listing)."""
+    return f"{JOBS_INDEX}:owner:{owner or 'anonymous'}"
+
 PENDING_TTL_FACTOR = 7
 """A record that never ends (its queue was lost) still expires after this many result TTLs."""
 
@@ -41,17 +46,18 @@ def status_of_error(error: dict) -> str:
 def create(conn: redis.Redis, settings: Settings, job_id: str, kind: str, fields: dict) -> dict:
     """Create the record of a newly queued job and index it; return its public view.
 
-    `fields`: model, filename, params (dict), webhook_url, metadata (dict), duration_s, and any
-    internal extra (audio_path, rq_job_id: defaults to `job_id`).
+    `fields`: model, filename, params (dict), webhook_url, metadata (dict), duration_s, owner (who may
+    see the job: web.auth), and any internal extra (audio_path, rq_job_id: defaults to `job_id`).
     """
     now = time.time()
     record = {"id": job_id, "kind": kind, "status": QUEUED, "created_at": now, "started_at": None,
               "finished_at": None, "progress": None, "error": None, "metadata": {}, "webhook_url": None,
-              "attempts": 0, "rq_job_id": job_id, "params": {}, **fields}
+              "attempts": 0, "rq_job_id": job_id, "params": {}, "owner": "", **fields}
     pipe = conn.pipeline()
     pipe.hset(record_key(job_id), mapping=_encode(record))
     pipe.expire(record_key(job_id), settings.result_ttl_s * PENDING_TTL_FACTOR)
     pipe.zadd(JOBS_INDEX, {job_id: now})
+    pipe.zadd(owner_index(record["owner"]), {job_id: now})
     pipe.execute()
     return _public(record)
 
@@ -121,13 +127,15 @@ def queue_position(conn: redis.Redis, job_id: str) -> int | None:
     return None if position is None else int(position)
 
 
-def list_jobs(conn: redis.Redis, status: str | None, limit: int,
-              cursor: str | None) -> tuple[list[dict], str | None]:
-    """Return up to `limit` jobs newest first (optionally of one status) and the next page's cursor."""
+def list_jobs(conn: redis.Redis, status: str | None, limit: int, cursor: str | None,
+              owner: str | None = None) -> tuple[list[dict], str | None]:
+    """Return up to `limit` jobs newest first (optionally of one status, of one owner: None for every
+    owner's) and the next page's cursor."""
     after = _decode_cursor(cursor)
+    index = JOBS_INDEX if owner is None else owner_index(owner)
     page: list[tuple[dict, float]] = []
     stale: list[str] = []
-    for job_id, score in _iter_index(conn, after):
+    for job_id, score in _iter_index(conn, index, after):
         record = get(conn, job_id)
         if record is None:
             stale.append(job_id)  # the record expired: its index entry goes too
@@ -136,7 +144,7 @@ def list_jobs(conn: redis.Redis, status: str | None, limit: int,
             if len(page) > limit:  # one more than asked: proof that a next page exists
                 break
     if stale:
-        conn.zrem(JOBS_INDEX, *stale)
+        conn.zrem(index, *stale)
     jobs = [record for record, _ in page[:limit]]
     if len(page) <= limit or not jobs:
         return jobs, None
@@ -144,12 +152,12 @@ def list_jobs(conn: redis.Redis, status: str | None, limit: int,
     return jobs, _encode_cursor(last_score, last_record["id"])
 
 
-def _iter_index(conn: redis.Redis, after: tuple[float, str] | None):
-    """Yield (job id, score) newest first, strictly after the cursor position."""
+def _iter_index(conn: redis.Redis, index: str, after: tuple[float, str] | None):
+    """Yield (job id, score) of an index newest first, strictly after the cursor position."""
     max_score = "+inf" if after is None else repr(after[0])
     offset = 0
     while True:
-        rows = conn.zrevrangebyscore(JOBS_INDEX, max_score, "-inf", start=offset, num=_SCAN_PAGE,
+        rows = conn.zrevrangebyscore(index, max_score, "-inf", start=offset, num=_SCAN_PAGE,
                                      withscores=True)
         if not rows:
             return

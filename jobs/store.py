@@ -32,6 +32,7 @@ class ModelInfo:
     path: Path  # the MLX model directory
     kind: str  # "text" | "vision" | "speech"
     context_length: int | None
+    vocab_size: int | None  # tokens the model can emit (bounds top_k)
     size_bytes: int
     source: str  # "gguf:<file>", "ct2:<dir>", "hf:<repo>", "dir:<path>" or "pull:<repo>"
     quantization: str | None
@@ -52,6 +53,12 @@ class ModelNotFound(LookupError):
         self.ref = ref
         self.looked = looked
         super().__init__(f"model {ref!r} not found; looked for: " + "; ".join(looked))
+
+    @property
+    def public_message(self) -> str:
+        """What an API client is told: the reference and where names resolve, never a server path."""
+        return (f"Model {self.ref!r} not found: it is not an alias, a model in the server's store, or a "
+                "Hugging Face repo in its local cache. GET /v1/models lists the models available.")
 
 
 _json_memo: dict[Path, tuple[tuple[int, int], dict]] = {}
@@ -171,6 +178,29 @@ def context_length_of(config: dict) -> int | None:
     return None
 
 
+def vocab_size_of(config: dict) -> int | None:
+    """Return the vocabulary size a config.json declares, if any."""
+    for source in (config, config.get("text_config") or {}):
+        for key in ("vocab_size", "n_vocab"):
+            value = source.get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+    return None
+
+
+def public_source(source: str) -> str:
+    """A model's source as clients may see it: never a path of the server's file system.
+
+    "gguf:/srv/x/model.gguf" -> "gguf:model.gguf", "dir:/srv/x" -> "dir", "hf:owner/name" unchanged.
+    """
+    scheme, _, rest = source.partition(":")
+    if scheme in ("hf", "pull") or not rest:
+        return source
+    if scheme == "dir":
+        return "dir"
+    return f"{scheme}:{os.path.basename(rest.rstrip('/'))}"
+
+
 def _quantization_of(config: dict) -> str | None:
     """Describe MLX quantization recorded in config.json (e.g. "4bit-g64"), None when unquantized."""
     quant = config.get("quantization") or config.get("quantization_config")
@@ -198,7 +228,7 @@ def _info_from_config_dir(ref: str, path: Path, source: str, size: int | None = 
         created = (path / "config.json").stat().st_mtime
     return ModelInfo(
         id=ref, path=path, kind=detect_kind(config), context_length=context_length_of(config),
-        size_bytes=_dir_size(path) if size is None else size, source=source,
+        vocab_size=vocab_size_of(config), size_bytes=_dir_size(path) if size is None else size, source=source,
         quantization=_quantization_of(config), license=config.get("license"), created=int(created),
     )
 
@@ -235,7 +265,7 @@ def store_entry(settings, name: str) -> ModelInfo | None:
         return None
     return ModelInfo(
         id=name, path=path, kind=manifest.get("kind") or detect_kind(config),
-        context_length=context if isinstance(context, int) else None,
+        context_length=context if isinstance(context, int) else None, vocab_size=vocab_size_of(config),
         size_bytes=_dir_size(path), source=str(manifest.get("source") or f"dir:{path}"),
         quantization=manifest.get("quantization") or _quantization_of(config),
         license=manifest.get("license"), created=_parse_time(manifest.get("imported_at"), mtime),

@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 import redis
 
 from jobs import keys
-from jobs.events import TERMINAL, decode, read_log
+from jobs.events import TERMINAL, decode, has_ended, read_log
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,8 @@ def follow(
     with hub.listen(job_id) as live:
         last = after_id
         pending = read_log(connection, job_id, last)
+        if not pending and has_ended(connection, job_id):
+            return  # the reader has already seen the terminal event: nothing more will ever come
         while True:
             for event in pending:
                 if event["id"] <= last:
@@ -119,6 +121,8 @@ def follow(
                     on_idle()
                 pending = read_log(connection, job_id, last)
                 if not pending:
+                    if has_ended(connection, job_id):
+                        return
                     yield IDLE
 
 

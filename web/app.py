@@ -12,7 +12,7 @@ from jobs.settings import Settings, load_settings
 from web import audio_api, health, jobs_api, models_api, openai_api
 from web.auth import register_auth
 from web.dashboard import mount_dashboard
-from web.errors import register_error_handlers
+from web.errors import error_response, register_error_handlers
 from web.services import Services
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -33,6 +33,7 @@ def create_app(settings: Settings | dict | None = None) -> Flask:
     )
     app.extensions["mlxq"] = Services(settings)
     _register_request_id(app)
+    _register_body_timeout(app, settings.body_timeout_s)
     register_auth(app)
     register_error_handlers(app)
     api = Api(app)
@@ -55,3 +56,33 @@ def _register_request_id(app: Flask) -> None:
     def _echo(response):
         response.headers["X-Request-ID"] = getattr(g, "request_id", "") or f"req_{uuid.uuid4().hex}"
         return response
+
+
+def _register_body_timeout(app: Flask, timeout_s: float) -> None:
+    """Give up on a request body that stops arriving: each read waits at most `timeout_s` (then 408).
+
+    gunicorn's gevent workers wait for a body without limit, so a client that announces a body and
+    never sends it would hold its connection (and its memory) until the client itself gives up.
+    The timeout covers reading the request only; the response is written without one.
+    """
+
+    def _socket():
+        return request.environ.get("gunicorn.socket")
+
+    @app.before_request
+    def _limit_reads():
+        sock = _socket()
+        if sock is not None and request.content_length != 0:
+            sock.settimeout(timeout_s)
+
+    @app.after_request
+    def _unlimit(response):
+        sock = _socket()
+        if sock is not None:
+            sock.settimeout(None)
+        return response
+
+    @app.errorhandler(TimeoutError)
+    def _body_stalled(exc: TimeoutError):
+        return error_response(408, f"The request body stopped arriving (nothing for {timeout_s:g}s).",
+                              "request_timeout", headers={"Connection": "close"})

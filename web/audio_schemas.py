@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 from marshmallow import (
     EXCLUDE,
     Schema,
@@ -18,6 +16,7 @@ from marshmallow import (
 from jobs.formats import FORMATS, GRANULARITIES
 from jobs.records import STATUSES
 from jobs.webhooks import UnsafeDestination, check_destination
+from web.jsonbody import JSONRejected, loads
 from web.schemas import ChatCompletionRequestSchema
 from web.services import services
 
@@ -31,9 +30,11 @@ class Metadata(fields.Field):
     """A flat JSON object of at most 16 keys (a JSON string in multipart forms, an object in JSON)."""
 
     def _deserialize(self, value, attr, data, **kwargs):
-        if isinstance(value, str):
+        if isinstance(value, str):  # a multipart form field: parsed as strictly as a JSON body
             try:
-                value = json.loads(value) if value.strip() else {}
+                value = loads(value) if value.strip() else {}
+            except JSONRejected as exc:
+                raise ValidationError(str(exc)) from None
             except ValueError:
                 raise ValidationError("must be a JSON object") from None
         if not isinstance(value, dict):
@@ -143,7 +144,7 @@ class EventsQuerySchema(Schema):
     class Meta:
         unknown = EXCLUDE
 
-    last_event_id = fields.Integer(load_default=0, validate=validate.Range(min=0))
+    last_event_id = fields.Integer(strict=False, load_default=0, validate=validate.Range(min=0, max=10**15 - 1))
 
 
 class LinksSchema(Schema):

@@ -19,6 +19,7 @@ _TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     409: "conflict_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
@@ -74,6 +75,22 @@ def _first_field_error(messages, prefix: str = "") -> tuple[str, str]:
     return prefix, str(messages)
 
 
+def _is_unparsable_json(messages) -> bool:
+    """webargs' answer to a body that is not JSON at all: {"json": ["Invalid JSON body."]}."""
+    return isinstance(messages, dict) and list(messages) == ["json"] and isinstance(messages["json"], list)
+
+
+def _too_large():
+    """The 413 answer, naming the limit that was actually passed: the body's size or its form parts."""
+    limit = request.max_content_length
+    if request.content_length is not None and limit is not None and request.content_length <= limit:
+        # Under the size limit: werkzeug refused the multipart form's parts (count or field memory).
+        parts, memory = request.max_form_parts, request.max_form_memory_size
+        return error_response(413, f"The form has too many parts or too large a text field (limits: {parts} "
+                                   f"parts, {memory} bytes of non-file fields).", "form_too_large")
+    return error_response(413, f"Request body too large (limit {limit} bytes).", "request_too_large")
+
+
 def register_error_handlers(app: Flask) -> None:
     """Turn every exception into the envelope; never leak a traceback."""
 
@@ -94,17 +111,20 @@ def register_error_handlers(app: Flask) -> None:
 
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException):
-        if exc.code == 422:  # webargs/flask-smorest validation: answer 400 naming the field
-            messages = getattr(exc, "data", {}).get("messages", {})
+        messages = (getattr(exc, "data", None) or {}).get("messages")
+        if messages and exc.code in (400, 422):  # webargs/flask-smorest validation: 400 naming the field
+            if _is_unparsable_json(messages):
+                return error_response(400, "Malformed request body: expected a JSON object.", "invalid_json")
             field, message = _first_field_error(messages)
             text = f"Invalid value for '{field}': {message}" if field else message
             return error_response(400, text, "invalid_value", field or None)
         if exc.code == 413:
-            limit = request.max_content_length
-            return error_response(413, f"Request body too large (limit {limit} bytes).", "request_too_large")
+            return _too_large()
         if exc.code == 400 and request.mimetype == "application/json":
             return error_response(400, "Malformed request body: expected a JSON object.", "invalid_json")
-        return error_response(exc.code or 500, exc.description or exc.name, exc.name.lower().replace(" ", "_"))
+        headers = {k: v for k, v in exc.get_headers() if k.lower() != "content-type"}  # e.g. 405's Allow
+        return error_response(exc.code or 500, exc.description or exc.name, exc.name.lower().replace(" ", "_"),
+                              headers=headers)
 
     @app.errorhandler(Exception)
     def _unexpected(exc: Exception):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import redis
 from flask import jsonify
-from flask_smorest import Blueprint
 
 from jobs.status import any_worker_alive
+from web.jsonbody import Blueprint
 from web.services import services
 
 blp = Blueprint("health", __name__, description="Liveness and readiness probes")

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import select
+import socket
 import time
 from typing import Callable, Iterator
 
-from flask import Response, g
+from flask import Response, g, request
 
 from jobs import queues
 from jobs.events import DONE, ERROR
@@ -20,6 +22,9 @@ log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 5.0
 """Seconds between SSE comments while nothing happens (also how a gone client is noticed)."""
+
+CLIENT_CHECK_S = 1.0
+"""How often a non-streamed call looks whether its client is still connected."""
 
 
 def submit(func: str, payload: dict, kind: str, description: str, queue: str = queues.INTERACTIVE,
@@ -53,15 +58,39 @@ def error_from_event(data: dict) -> APIError:
 
 
 def wait_for_result(job_id: str) -> dict:
-    """Block until the job's terminal event; return the `done` data or raise its error."""
+    """Block until the job's terminal event; return the `done` data or raise its error.
+
+    Every CLIENT_CHECK_S it looks whether the client is still there; if it hung up, the job is
+    canceled (nobody would read its answer) and a 499 ends the request.
+    """
     svc = services()
     deadline = time.monotonic() + svc.settings.sync_timeout_s
+    next_check = time.monotonic() + CLIENT_CHECK_S
     for event in _events(svc, job_id, deadline):
         if event["type"] == DONE:
             return event["data"]
         if event["type"] == ERROR:
             raise error_from_event(event["data"])
+        if time.monotonic() >= next_check:
+            next_check = time.monotonic() + CLIENT_CHECK_S
+            if client_gone():
+                log.info("client of %s hung up; canceling it", job_id)
+                request_cancel(svc.redis, job_id, svc.settings.result_ttl_s)
+                raise APIError(499, "The client closed the connection; the job was canceled.", "canceled")
     raise APIError(500, "The event stream ended without a result.", "internal_error")
+
+
+def client_gone() -> bool:
+    """Whether the client of this request closed its connection (gunicorn only; never blocks)."""
+    sock = request.environ.get("gunicorn.socket")
+    if sock is None:
+        return False
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        # Readable with nothing to read is the end of the stream: the client closed its side.
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):  # reset, or already closed
+        return True
 
 
 def stream_response(job_id: str, render: Callable[[dict], Iterator[str]], on_error: Callable[[dict], str],

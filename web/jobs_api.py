@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 from flask import Response, g, request, url_for
-from flask_smorest import Blueprint
 
 from jobs import queues, records
-from jobs.events import HEARTBEAT
+from jobs.events import HEARTBEAT, has_ended, read_log
 from jobs.status import fetch_job, request_cancel
 from jobs.subscriber import IDLE, follow
 from jobs.webhooks import enqueue_delivery, settle
@@ -24,8 +24,10 @@ from web.audio_schemas import (
     ResultQuerySchema,
     TranscriptionFileSchema,
 )
+from web.auth import caller
 from web.errors import APIError
 from web.jobrun import KEEPALIVE_S
+from web.jsonbody import Blueprint
 from web.openai_api import chat_messages, resolve_model, sampling_payload
 from web.services import Services, services
 from web.sse import SSE_HEADERS, sse_comment, sse_data
@@ -52,8 +54,9 @@ def _accepted(job_id: str):
 def _record_or_404(job_id: str) -> dict:
     """The job's record, brought up to date, or a 404 envelope."""
     svc = services()
-    record = records.get(svc.redis, job_id)
-    if record is None:
+    stored = records.load(svc.redis, job_id)
+    record = records.get(svc.redis, job_id) if stored and caller().may_see(stored) else None
+    if record is None:  # another key's job is as good as absent
         raise APIError(404, f"No job with id '{job_id}' (it may have expired).", "job_not_found", "id")
     if record["kind"] == "chat" and record["status"] not in records.TERMINAL:
         record = _reconcile_chat(record)
@@ -86,7 +89,7 @@ def result_body(record: dict, result: dict | None):
 def _create_and_enqueue(job_id: str, kind: str, fields: dict, func: str, payload: dict, **options) -> None:
     """Create the job's record, then enqueue it on `batch` (the record says failed if that is refused)."""
     svc = services()
-    records.create(svc.redis, svc.settings, job_id, kind, fields)
+    records.create(svc.redis, svc.settings, job_id, kind, {**fields, "owner": caller().owner})
     try:
         queues.enqueue(svc.redis, svc.settings, queues.BATCH, func, payload, job_id, **options)
     except Exception as exc:
@@ -121,7 +124,7 @@ def create_chat(body):
     """Submit an async chat completion; its result is a chat.completion object."""
     info = resolve_model(body["model"], "text")
     job_id = queues.new_job_id("job")
-    payload = {**sampling_payload(body, info.id), "messages": chat_messages(body), "job_id": job_id,
+    payload = {**sampling_payload(body, info), "messages": chat_messages(body), "job_id": job_id,
                "request_id": g.request_id}
     fields = {"model": info.id, "metadata": body["metadata"] or {}, "webhook_url": body["webhook_url"]}
     meta = {"kind": "chat", "model": info.id, "request_id": g.request_id}
@@ -137,7 +140,9 @@ def list_jobs(query):
     """List jobs, newest first; pass `next_cursor` back as `cursor` for the next page."""
     svc = services()
     try:
-        items, next_cursor = records.list_jobs(svc.redis, query["status"], query["limit"], query["cursor"])
+        who = caller()
+        items, next_cursor = records.list_jobs(svc.redis, query["status"], query["limit"], query["cursor"],
+                                               owner=None if who.admin else who.owner)
     except ValueError:
         raise APIError(400, "Invalid value for 'cursor': pass back a next_cursor from this listing.",
                        "invalid_value", "cursor") from None
@@ -185,23 +190,34 @@ def job_result(query, job_id: str):
     return rendered(result, fmt, params.get("timestamp_granularities") or ("segment",))
 
 
+_EVENT_ID = re.compile(r"^[0-9]{1,15}$")
+
+
 def _last_event_id(query: dict) -> int:
     """Where to resume: the Last-Event-ID header (what browsers send), else ?last_event_id=."""
     header = request.headers.get("Last-Event-ID", "").strip()
     if not header:
         return query["last_event_id"]
-    if not header.isdigit():
-        raise APIError(400, "Last-Event-ID must be a non-negative integer.", "invalid_value", "Last-Event-ID")
+    if not _EVENT_ID.match(header):  # ASCII digits only: str.isdigit() also admits "²"
+        raise APIError(400, "Last-Event-ID must be a non-negative integer (at most 15 digits).", "invalid_value",
+                       "Last-Event-ID")
     return int(header)
 
 
 @blp.route("/<job_id>/events", methods=["GET"])
 @blp.arguments(EventsQuerySchema(), location="query")
 def job_events(query, job_id: str):
-    """Server-Sent Events of a job (progress, segment, delta, done, error), replayed from the log."""
+    """Server-Sent Events of a job (progress, segment, delta, done, error), replayed from the log.
+
+    204 when the client has already seen the job's last event: an EventSource that reconnects after
+    the stream ended (sending the last id it saw) is told there is nothing more, and stops.
+    """
+    svc = services()
     _record_or_404(job_id)
     after = _last_event_id(query)
-    stream = _event_stream(services(), job_id, after)
+    if has_ended(svc.redis, job_id) and not read_log(svc.redis, job_id, after):
+        return Response(status=204)
+    stream = _event_stream(svc, job_id, after)
     return Response(stream, mimetype="text/event-stream", headers=SSE_HEADERS)
 
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from flask_smorest import Blueprint
-
-from jobs.store import ModelNotFound, list_models, resolve
+from jobs.store import ModelNotFound, list_models, public_source, resolve
 from web.errors import APIError
+from web.jsonbody import Blueprint
 from web.schemas import ModelListSchema, ModelSchema
 from web.services import services
 
@@ -16,7 +15,7 @@ def _as_openai(info) -> dict:
     """Render a catalog entry in OpenAI's model shape plus mlxq's facts."""
     return {"id": info.id, "object": "model", "created": info.created, "owned_by": "mlxq", "kind": info.kind,
             "context_length": info.context_length, "size_bytes": info.size_bytes,
-            "quantization": info.quantization, "source": info.source}
+            "quantization": info.quantization, "source": public_source(info.source)}
 
 
 @blp.route("", methods=["GET"])
@@ -33,4 +32,4 @@ def get_one(model_id: str):
     try:
         return _as_openai(resolve(model_id, services().settings, allow_paths=False))
     except ModelNotFound as exc:
-        raise APIError(404, str(exc), "model_not_found", "model") from None
+        raise APIError(404, exc.public_message, "model_not_found", "model") from None

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 from flask import g, jsonify
-from flask_smorest import Blueprint
 
 from jobs import queues
 from jobs.events import DELTA, DONE
 from jobs.store import ModelNotFound, resolve
 from web.errors import APIError
 from web.jobrun import stream_response, submit, wait_for_result
+from web.jsonbody import Blueprint
 from web.schemas import ChatCompletionRequestSchema, CompletionRequestSchema
 from web.services import services
 from web.sse import sse_data
+
+log = logging.getLogger(__name__)
 
 blp = Blueprint("openai", __name__, url_prefix="/v1", description="OpenAI-compatible text generation")
 
@@ -27,22 +30,28 @@ def resolve_model(ref: str | None, kind: str):
     try:
         info = resolve(ref, services().settings, allow_paths=False)
     except ModelNotFound as exc:
-        raise APIError(404, str(exc), "model_not_found", "model") from None
+        log.info("%s", exc)  # the operator's log gets the places looked, with their paths
+        raise APIError(404, exc.public_message, "model_not_found", "model") from None
     if info.kind != kind:
         raise APIError(400, f"Model '{info.id}' is a {info.kind} model; this endpoint needs a {kind} model.",
                        "invalid_model", "model")
     return info
 
 
-def sampling_payload(body: dict, model_id: str) -> dict:
-    """The worker payload fields shared by chat and completions (limits already validated)."""
+def sampling_payload(body: dict, info) -> dict:
+    """The worker payload fields shared by chat and completions, bounded by the settings and the model."""
     limit = services().settings.max_tokens_limit
+    if info.context_length:
+        limit = min(limit, info.context_length)
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or min(DEFAULT_MAX_TOKENS, limit)
     if max_tokens > limit:
         param = "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
-        raise APIError(400, f"'{param}' must be at most {limit}.", "invalid_value", param)
+        raise APIError(400, f"'{param}' must be at most {limit} for model '{info.id}'.", "invalid_value", param)
+    if body["top_k"] and info.vocab_size and body["top_k"] > info.vocab_size:
+        raise APIError(400, f"'top_k' must be at most {info.vocab_size}, the vocabulary size of model "
+                            f"'{info.id}'.", "invalid_value", "top_k")
     return {
-        "model": model_id,
+        "model": info.id,
         "max_tokens": max_tokens,
         "temperature": 1.0 if body["temperature"] is None else body["temperature"],
         "top_p": 1.0 if body["top_p"] is None else body["top_p"],
@@ -81,7 +90,7 @@ def _usage_wanted(body: dict) -> bool:
 def chat_completions(body):
     """Create a chat completion (plain JSON, or SSE chunks when `stream` is true)."""
     info = resolve_model(body["model"], "text")
-    payload = {**sampling_payload(body, info.id), "messages": chat_messages(body)}
+    payload = {**sampling_payload(body, info), "messages": chat_messages(body)}
     job_id = submit(queues.CHAT_COMPLETION, payload, "chatcmpl", f"chat {info.id}")
     created = int(time.time())
     if body["stream"]:
@@ -129,7 +138,7 @@ def _chat_chunks(job_id: str, model: str, created: int, include_usage: bool):
 def completions(body):
     """Create a text completion for one prompt or a list of prompts (one choice each)."""
     info = resolve_model(body["model"], "text")
-    payload = {**sampling_payload(body, info.id), "prompts": body["prompt"]}
+    payload = {**sampling_payload(body, info), "prompts": body["prompt"]}
     job_id = submit(queues.TEXT_COMPLETION, payload, "cmpl", f"completion {info.id}")
     created = int(time.time())
     if body["stream"]:

@@ -5,14 +5,20 @@ from __future__ import annotations
 from marshmallow import EXCLUDE, Schema, ValidationError, fields, validate, validates_schema
 
 MAX_STOP = 4
+MAX_SEED = 2**63 - 1
+"""Seeds are OpenAI's int64, non-negative (MLX seeds its generator with an unsigned 64-bit integer)."""
+MAX_TOP_K = 2**31 - 1
+"""A first bound on top_k before the model is known; its vocabulary size bounds it further."""
 
 
 class StringOrList(fields.Field):
     """A string, or a list of strings (OpenAI's `stop` and `prompt`); always loads as a list."""
 
-    def __init__(self, max_items: int | None = None, allow_empty_list: bool = True, **kwargs):
+    def __init__(self, max_items: int | None = None, allow_empty_list: bool = True,
+                 allow_empty_strings: bool = True, **kwargs):
         super().__init__(**kwargs)
         self.max_items, self.allow_empty_list = max_items, allow_empty_list
+        self.allow_empty_strings = allow_empty_strings
 
     def _deserialize(self, value, attr, data, **kwargs):
         items = [value] if isinstance(value, str) else value
@@ -22,6 +28,8 @@ class StringOrList(fields.Field):
             raise ValidationError(f"at most {self.max_items} items")
         if not items and not self.allow_empty_list:
             raise ValidationError("must not be empty")
+        if not self.allow_empty_strings and not all(items):
+            raise ValidationError("must not be an empty string (a prompt needs at least one character)")
         return items
 
 
@@ -58,13 +66,16 @@ class SamplingSchema(Schema):
         unknown = EXCLUDE  # harmless unknown fields are ignored, as OpenAI-style clients expect
 
     model = fields.String(load_default=None, validate=validate.Length(min=1, max=512))
-    max_tokens = fields.Integer(load_default=None, validate=validate.Range(min=1), allow_none=True)
+    max_tokens = fields.Integer(strict=True, load_default=None, validate=validate.Range(min=1), allow_none=True)
     temperature = fields.Float(load_default=1.0, validate=validate.Range(min=0, max=2), allow_none=True)
     top_p = fields.Float(load_default=1.0, validate=validate.Range(min=0, max=1, min_inclusive=False),
                          allow_none=True)
-    top_k = fields.Integer(load_default=0, validate=validate.Range(min=0), allow_none=True)
+    # Bounded by the model's vocabulary too, once the model is known (web.openai_api).
+    top_k = fields.Integer(strict=True, load_default=0, validate=validate.Range(min=0, max=MAX_TOP_K),
+                           allow_none=True)
     min_p = fields.Float(load_default=0.0, validate=validate.Range(min=0, max=1), allow_none=True)
-    seed = fields.Integer(load_default=None, allow_none=True)
+    seed = fields.Integer(strict=True, load_default=None, validate=validate.Range(min=0, max=MAX_SEED),
+                          allow_none=True)
     stop = StringOrList(max_items=MAX_STOP, load_default=list, allow_none=True)
     repetition_penalty = fields.Float(load_default=None, validate=validate.Range(min=0, min_inclusive=False),
                                       allow_none=True)
@@ -72,9 +83,9 @@ class SamplingSchema(Schema):
     stream_options = fields.Nested(StreamOptionsSchema, load_default=None, allow_none=True)
     user = fields.String(load_default=None, allow_none=True)
     # Fields we cannot honour: accepted only at their neutral values, so meaning never changes silently.
-    n = fields.Integer(load_default=1, allow_none=True)
+    n = fields.Integer(strict=True, load_default=1, allow_none=True)
     logprobs = fields.Raw(load_default=None, allow_none=True)
-    top_logprobs = fields.Integer(load_default=None, allow_none=True)
+    top_logprobs = fields.Integer(strict=True, load_default=None, allow_none=True)
     presence_penalty = fields.Float(load_default=0.0, allow_none=True)
     frequency_penalty = fields.Float(load_default=0.0, allow_none=True)
     logit_bias = fields.Dict(load_default=None, allow_none=True)
@@ -105,7 +116,8 @@ class ChatCompletionRequestSchema(SamplingSchema):
     """POST /v1/chat/completions body."""
 
     messages = fields.List(fields.Nested(ChatMessageSchema), required=True, validate=validate.Length(min=1))
-    max_completion_tokens = fields.Integer(load_default=None, validate=validate.Range(min=1), allow_none=True)
+    max_completion_tokens = fields.Integer(strict=True, load_default=None, validate=validate.Range(min=1),
+                                           allow_none=True)
     tools = fields.List(fields.Dict(), load_default=None, allow_none=True)
     tool_choice = fields.Raw(load_default=None, allow_none=True)
     response_format = fields.Dict(load_default=None, allow_none=True)
@@ -125,10 +137,10 @@ class ChatCompletionRequestSchema(SamplingSchema):
 class CompletionRequestSchema(SamplingSchema):
     """POST /v1/completions body."""
 
-    prompt = StringOrList(required=True, max_items=32, allow_empty_list=False)
+    prompt = StringOrList(required=True, max_items=32, allow_empty_list=False, allow_empty_strings=False)
     echo = fields.Boolean(load_default=False, allow_none=True)
     suffix = fields.String(load_default=None, allow_none=True)
-    best_of = fields.Integer(load_default=None, allow_none=True)
+    best_of = fields.Integer(strict=True, load_default=None, allow_none=True)
 
     @validates_schema
     def _refuse_completion_extras(self, data, **kwargs):

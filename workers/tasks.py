@@ -10,6 +10,7 @@ a cold shutdown 503 "worker_shutdown".
 
 from __future__ import annotations
 
+import logging
 import time
 
 from rq import get_current_job
@@ -23,6 +24,8 @@ from jobs.webhooks import finish_record
 from workers.engine import Canceled, Runtime, Stream
 from workers.registry import ModelTooLarge
 from workers.text import ContextLengthExceeded, Piece, Sampling
+
+log = logging.getLogger(__name__)
 
 _runtime: Runtime | None = None
 
@@ -200,9 +203,13 @@ _FALLBACK_MESSAGES = {"worker_shutdown": "the worker shut down while running thi
 
 
 def describe_error(exc: BaseException) -> tuple[int, str, str]:
-    """(status, code, message) of the error event for an exception; never a traceback."""
+    """(status, code, message) of the error event for an exception; never a traceback or a server path."""
+    if isinstance(exc, ModelNotFound):
+        return 404, "model_not_found", exc.public_message
     for cls, (status, code) in ERRORS.items():
         if isinstance(exc, cls):
             return status, code, str(exc) or _FALLBACK_MESSAGES.get(code, code.replace("_", " "))
-    first_line = (str(exc).strip().splitlines() or [""])[0][:300]
-    return 500, "internal_error", f"the worker failed: {type(exc).__name__}" + (f": {first_line}" if first_line else "")
+    # An unexpected error's text may hold anything (paths, internals): the client gets its type, the
+    # worker's log the whole traceback.
+    log.error("job failed with an unexpected error", exc_info=exc)
+    return 500, "internal_error", f"the worker failed ({type(exc).__name__}); its log has the details"

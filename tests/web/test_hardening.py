@@ -1,0 +1,197 @@
+"""Bad input, other users' jobs and the dashboard, through the real app on a real Redis (no worker needed).
+
+Every request here is refused or answered before a worker would be involved; where a job must exist
+it is queued on a Redis database no worker drains.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+
+from jobs import records
+from jobs.events import DONE, EventPublisher
+from tests.conftest import REPO
+from web.app import create_app
+
+MODEL = "smollm2-135m"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+SPEECH = REPO / "tests" / "fixtures" / "speech"
+
+
+@pytest.fixture()
+def client(settings, redis_conn):
+    """The app on the test Redis (flushed); sync calls give up after 0.2 s (nothing drains the queues)."""
+    return create_app(settings.with_overrides(sync_timeout_s=0.2)).test_client()
+
+
+def error_of(response, status: int) -> dict:
+    """The envelope's error of a response that must have `status`."""
+    assert response.status_code == status, response.get_data(as_text=True)
+    body = response.get_json()
+    assert set(body) == {"error", "request_id"} and body["error"]["message"]
+    return body["error"]
+
+
+def post_raw(client, path: str, text: str, **kwargs):
+    """POST a JSON body exactly as written (escapes such as \\ud800 reach the server unchanged)."""
+    return client.post(path, data=text.encode(), content_type="application/json", **kwargs)
+
+
+# --- bodies that used to cause 500s ----------------------------------------------------------------
+
+def test_json_nested_50000_deep_is_a_400(client):
+    error = error_of(post_raw(client, "/v1/chat/completions", "[" * 50_000 + "]" * 50_000), 400)
+    assert error["code"] == "invalid_json" and "nested too deeply" in error["message"]
+
+
+def test_json_nested_past_the_depth_limit_names_the_field(client):
+    deep = {"model": MODEL, "messages": QUESTION, "logit_bias": {"a": json.loads("[" * 40 + "]" * 40)}}
+    error = error_of(client.post("/v1/chat/completions", json=deep), 400)
+    assert "nested too deeply" in error["message"] and error["param"].startswith("logit_bias.a")
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi \\ud800"}]}', "messages.0.content"),
+    ("/v1/completions", '{"prompt": "\\udfff tail"}', "prompt"),
+    ("/v1/completions", '{"prompt": ["fine", "\\ud800"]}', "prompt.1"),
+])
+def test_a_lone_surrogate_is_a_400_naming_the_field(client, path, body, param):
+    error = error_of(post_raw(client, path, body), 400)
+    assert error["param"] == param and "surrogate" in error["message"]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("seed", 2**70), ("seed", -1), ("max_tokens", 2.5), ("top_k", 2**40), ("top_k", -1), ("top_k", 1.5),
+])
+def test_out_of_range_numbers_are_400s(client, field, value):
+    body = {"model": MODEL, "messages": QUESTION, field: value}
+    assert error_of(client.post("/v1/chat/completions", json=body), 400)["param"] == field
+
+
+def test_top_k_is_bounded_by_the_models_vocabulary(client):
+    body = {"model": MODEL, "messages": QUESTION, "top_k": 49153}  # the demo model has 49,152 tokens
+    error = error_of(client.post("/v1/chat/completions", json=body), 400)
+    assert error["param"] == "top_k" and "49152" in error["message"]
+
+
+def test_max_tokens_is_bounded_by_the_models_context(client, settings):
+    roomy = create_app(settings.with_overrides(max_tokens_limit=100_000)).test_client()
+    body = {"model": MODEL, "messages": QUESTION, "max_tokens": 9000}  # the demo model's context: 8,192
+    error = error_of(roomy.post("/v1/chat/completions", json=body), 400)
+    assert error["param"] == "max_tokens" and "8192" in error["message"]
+
+
+@pytest.mark.parametrize("prompt, param", [("", "prompt"), ([""], "prompt"), (["ok", ""], "prompt")])
+def test_an_empty_prompt_is_a_400(client, prompt, param):
+    error = error_of(client.post("/v1/completions", json={"model": MODEL, "prompt": prompt}), 400)
+    assert error["param"] == param and "empty" in error["message"]
+
+
+@pytest.mark.parametrize("text", ['{"a": NaN}', '{"a": Infinity}', '{"a": -Infinity}', '{"a": 1e400}'])
+def test_metadata_that_json_cannot_carry_is_refused(client, text):
+    body = f'{{"model": "{MODEL}", "messages": {json.dumps(QUESTION)}, "metadata": {text}}}'
+    error = error_of(post_raw(client, "/v1/jobs/chat/completions", body), 400)
+    assert "NaN" in error["message"] or "Infinity" in error["message"] or "finite" in error["message"]
+
+
+def test_metadata_in_a_form_is_parsed_as_strictly(client):
+    form = {"model": "whisper-tiny.en", "metadata": '{"a": NaN}',
+            "file": (io.BytesIO((SPEECH / "garden.wav").read_bytes()), "g.wav")}
+    assert error_of(client.post("/v1/jobs/transcriptions", data=form), 400)["param"] == "metadata"
+
+
+# --- the events stream -------------------------------------------------------------------------------
+
+def _finished_job(settings, redis_conn, owner: str = "") -> str:
+    """An async job record whose events ended with `done` (ids 1 and 2)."""
+    records.create(redis_conn, settings, "job-finished", "chat", {"model": MODEL, "owner": owner})
+    publisher = EventPublisher(redis_conn, 60, 100)
+    publisher.publish("job-finished", "progress", {"percent": 50})
+    publisher.publish("job-finished", DONE, {"choices": []})
+    return "job-finished"
+
+
+@pytest.mark.parametrize("header", ["²", "1" * 4300, "-1", "1.5", "0x10"])
+def test_a_bad_last_event_id_is_a_400(client, settings, redis_conn, header):
+    job_id = _finished_job(settings, redis_conn)
+    error = error_of(client.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": header}), 400)
+    assert error["param"] == "Last-Event-ID"
+
+
+@pytest.mark.parametrize("last_seen", ["2", "7"])
+def test_reconnecting_after_the_last_event_ends_at_once(client, settings, redis_conn, last_seen):
+    job_id = _finished_job(settings, redis_conn)
+    response = client.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": last_seen})
+    assert response.status_code == 204 and response.get_data() == b""  # EventSource stops on a 204
+    replay = client.get(f"/v1/jobs/{job_id}/events", headers={"Last-Event-ID": "1"})
+    assert replay.status_code == 200
+    assert replay.get_data(as_text=True).count("id: ") == 1 and "event: done" in replay.get_data(as_text=True)
+
+
+# --- whose jobs ----------------------------------------------------------------------------------
+
+def test_a_key_sees_only_its_own_jobs_and_the_admin_key_sees_all(settings, redis_conn):
+    app = create_app(settings.with_overrides(api_keys=("alice-key", "bob-key"), admin_key="admin-key"))
+    client = app.test_client()
+    alice, bob, admin = ({"Authorization": f"Bearer {k}"} for k in ("alice-key", "bob-key", "admin-key"))
+    submitted = client.post("/v1/jobs/chat/completions", json={"model": MODEL, "messages": QUESTION}, headers=alice)
+    assert submitted.status_code == 202, submitted.get_data(as_text=True)
+    job_id = submitted.get_json()["id"]
+
+    assert client.get(f"/v1/jobs/{job_id}", headers=alice).status_code == 200
+    for method, path in (("get", f"/v1/jobs/{job_id}"), ("get", f"/v1/jobs/{job_id}/result"),
+                         ("get", f"/v1/jobs/{job_id}/events"), ("delete", f"/v1/jobs/{job_id}")):
+        error = error_of(getattr(client, method)(path, headers=bob), 404)
+        assert error["code"] == "job_not_found"
+    assert client.get("/v1/jobs", headers=bob).get_json()["data"] == []
+    assert [j["id"] for j in client.get("/v1/jobs", headers=alice).get_json()["data"]] == [job_id]
+    assert [j["id"] for j in client.get("/v1/jobs", headers=admin).get_json()["data"]] == [job_id]
+    assert client.get(f"/v1/jobs/{job_id}", headers=admin).status_code == 200
+    assert "owner" not in client.get(f"/v1/jobs/{job_id}", headers=alice).get_json()
+    assert records.load(redis_conn, job_id)["owner"] not in ("alice-key", "")  # a digest, never the key
+
+
+# --- the dashboard -----------------------------------------------------------------------------
+
+def test_with_user_keys_but_no_admin_key_the_dashboard_is_closed(settings, redis_conn):
+    client = create_app(settings.with_overrides(api_keys=("user-key",))).test_client()
+    error = error_of(client.get("/rq/", headers={"Authorization": "Bearer user-key"}), 403)
+    assert error["code"] == "dashboard_closed" and "MLXQ_ADMIN_KEY" in error["message"]
+
+
+def test_dashboard_actions_need_a_post_from_its_own_page(settings, redis_conn):
+    client = create_app(settings.with_overrides(admin_key="adm")).test_client()
+    auth = {"Authorization": "Bearer adm"}
+    assert client.get("/rq/", headers=auth).status_code == 200
+    response = client.get("/rq/requeue/failed", headers=auth)
+    assert error_of(response, 405)["code"] == "method_not_allowed" and response.headers["Allow"] == "POST"
+    cross_site = client.post("/rq/requeue/failed", headers=auth)  # what a form on another site can send
+    assert error_of(cross_site, 403)["code"] == "cross_site_request"
+    own_page = client.post("/rq/requeue/failed", headers={**auth, "X-Requested-With": "XMLHttpRequest"})
+    assert own_page.status_code == 200
+
+
+# --- no server paths; accurate limits ----------------------------------------------------------------
+
+def test_no_server_path_in_model_answers(client, settings):
+    listing = client.get("/v1/models").get_json()["data"]
+    demo = next(m for m in listing if m["id"] == MODEL)
+    assert demo["source"].startswith("gguf:") and "/" not in demo["source"]
+    error = error_of(client.post("/v1/chat/completions", json={"model": "nope", "messages": QUESTION}), 404)
+    assert str(settings.models_dir) not in error["message"] and "/root" not in error["message"]
+    assert "GET /v1/models" in error["message"]
+
+
+def test_405_names_the_allowed_methods(client):
+    response = client.delete("/v1/models")
+    assert error_of(response, 405) and set(response.headers["Allow"].split(", ")) >= {"GET"}
+
+
+def test_a_form_with_thousands_of_fields_gets_a_413_naming_that_limit(client):
+    fields = {f"f{i}": "x" for i in range(5000)}
+    response = client.post("/v1/audio/transcriptions", data={**fields, "file": (io.BytesIO(b"RIFF"), "a.wav")})
+    error = error_of(response, 413)
+    assert error["code"] == "form_too_large" and "parts" in error["message"]
