@@ -7,12 +7,14 @@ import uuid
 
 from flask import Flask, g, request
 from flask_smorest import Api
+from werkzeug.exceptions import ClientDisconnected
 
 from jobs.settings import Settings, load_settings
 from web import audio_api, health, jobs_api, models_api, openai_api
 from web.auth import register_auth
 from web.dashboard import mount_dashboard
 from web.errors import error_response, register_error_handlers
+from web.response_schemas import ErrorEnvelopeSchema
 from web.services import Services
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -29,6 +31,7 @@ def create_app(settings: Settings | dict | None = None) -> Flask:
         OPENAPI_VERSION="3.0.3",
         OPENAPI_URL_PREFIX="/",
         OPENAPI_JSON_PATH="openapi.json",
+        API_SPEC_OPTIONS=_spec_options(settings),
         MAX_CONTENT_LENGTH=settings.max_body_kb * 1024,
     )
     app.extensions["mlxq"] = Services(settings)
@@ -36,12 +39,31 @@ def create_app(settings: Settings | dict | None = None) -> Flask:
     _register_body_timeout(app, settings.body_timeout_s)
     register_auth(app)
     register_error_handlers(app)
-    api = Api(app)
+    api = MlxqApi(app)
     for module in (openai_api, models_api, health, audio_api, jobs_api):
         api.register_blueprint(module.blp)
     mount_dashboard(app, settings.redis_url)
     register_error_handlers(app)  # again: Api() installs its own handlers; ours must win
     return app
+
+
+class MlxqApi(Api):
+    """flask-smorest's Api documenting mlxq's real error envelope as every operation's error answer."""
+
+    ERROR_SCHEMA = ErrorEnvelopeSchema
+
+
+def _spec_options(settings: Settings) -> dict:
+    """OpenAPI document extras: the bearer scheme, required on every operation when keys are set."""
+    options = {
+        "info": {"description": "OpenAI-compatible API for MLX models, with a Redis job queue. Every error is "
+                                "answered with the envelope `{\"error\": {message, type, param, code}, "
+                                "\"request_id\"}`."},
+        "components": {"securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}}},
+    }
+    if settings.api_keys:
+        options["security"] = [{"bearerAuth": []}]
+    return options
 
 
 def _register_request_id(app: Flask) -> None:
@@ -86,3 +108,11 @@ def _register_body_timeout(app: Flask, timeout_s: float) -> None:
     def _body_stalled(exc: TimeoutError):
         return error_response(408, f"The request body stopped arriving (nothing for {timeout_s:g}s).",
                               "request_timeout", headers={"Connection": "close"})
+
+    @app.errorhandler(ClientDisconnected)
+    def _body_cut(exc: ClientDisconnected):
+        cause = exc.__cause__ or exc.__context__  # werkzeug raises it while handling the socket's timeout
+        if isinstance(cause, TimeoutError):
+            return _body_stalled(cause)
+        return error_response(400, "The request body ended before its Content-Length.", "incomplete_body",
+                              headers={"Connection": "close"})

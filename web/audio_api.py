@@ -10,11 +10,12 @@ from jobs import queues
 from jobs.events import DONE, SEGMENT
 from jobs.formats import TEXT_MIMETYPE, render
 from web.audio_check import check_audio
-from web.audio_schemas import TranscriptionFileSchema, TranscriptionFormSchema
+from web.audio_schemas import TranscriptionFormSchema
 from web.errors import APIError
 from web.jobrun import stream_response, submit, wait_for_result
 from web.jsonbody import Blueprint
 from web.openai_api import resolve_model, stream_error
+from web.response_schemas import SSE, TEXT, ServerSentEventSchema, TranscriptionSchema
 from web.services import services
 from web.sse import sse_data
 from web.uploads import Upload, accepts_upload, discard, keep, spool
@@ -31,10 +32,10 @@ def format_duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def prepare_transcription(form: dict, files: dict, job_id: str, mode: str) -> tuple[dict, dict, Upload]:
+def prepare_transcription(form: dict, job_id: str, mode: str) -> tuple[dict, dict, Upload]:
     """Resolve the model, spool and check the audio; return (worker payload, enqueue options, upload)."""
     info = resolve_model(form["model"], "speech")
-    upload = spool(files["file"], job_id)
+    upload = spool(form["file"], job_id)
     audio = check_audio(upload.path, upload.filename, services().settings.max_audio_s)
     payload = {
         "job_id": job_id, "model": info.id, "audio_path": str(upload.path), "filename": upload.filename,
@@ -64,12 +65,15 @@ def rendered(result: dict, fmt: str, granularities, text_mimetype: str | None = 
 
 @blp.route("/transcriptions", methods=["POST"])
 @accepts_upload
-@blp.arguments(TranscriptionFileSchema(), location="files")
-@blp.arguments(TranscriptionFormSchema(), location="form", content_type="multipart/form-data")  # documented
-def transcriptions(files, form):
+@blp.arguments(TranscriptionFormSchema(), location="multipart")
+@blp.response(200, TranscriptionSchema, description="`json` and `verbose_json`; `text`, `srt` and `vtt` "
+              "come as text/plain; with `stream`, transcript.text.delta events then transcript.text.done")
+@blp.alt_response(200, schema={"type": "string"}, content_type=TEXT, success=True)
+@blp.alt_response(200, schema=ServerSentEventSchema, content_type=SSE, success=True)
+def transcriptions(form):
     """Transcribe an audio file (JSON, text, srt, vtt or verbose_json; SSE text deltas when `stream`)."""
     job_id = queues.new_job_id("transcr")
-    payload, options, upload = prepare_transcription(form, files, job_id, "sync")
+    payload, options, upload = prepare_transcription(form, job_id, "sync")
     _submit_sync(job_id, payload, options)
     if form["stream"]:
         response = stream_response(job_id, _text_deltas(), stream_error(g.request_id), trailer=None)

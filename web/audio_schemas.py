@@ -12,6 +12,7 @@ from marshmallow import (
     validates,
     validates_schema,
 )
+from werkzeug.datastructures import FileStorage
 
 from jobs.formats import FORMATS, GRANULARITIES
 from jobs.records import STATUSES
@@ -51,19 +52,23 @@ class Metadata(fields.Field):
         return value
 
 
-class TranscriptionFileSchema(Schema):
-    """The multipart file part of a transcription request."""
+class FilePart(fields.Field):
+    """A multipart file part (a text field of the same name is refused)."""
 
-    file = fields.Raw(required=True, metadata={"type": "string", "format": "binary",
-                                               "description": "The audio file (wav, mp3, ogg, flac, m4a, ...)"})
+    def _deserialize(self, value, attr, data, **kwargs):
+        if not isinstance(value, FileStorage):
+            raise ValidationError("must be a file part of the multipart form (filename included)")
+        return value
 
 
 class TranscriptionFormSchema(Schema):
-    """POST /v1/audio/transcriptions form fields (OpenAI's names)."""
+    """POST /v1/audio/transcriptions multipart form (OpenAI's names): the file and its options."""
 
     class Meta:
         unknown = EXCLUDE  # OpenAI fields we do not use (include[], chunking_strategy...) are ignored
 
+    file = FilePart(required=True, metadata={"type": "string", "format": "binary",
+                                             "description": "The audio file (wav, mp3, ogg, flac, m4a, ...)"})
     model = fields.String(load_default=DEFAULT_SPEECH_MODEL, validate=validate.Length(min=1, max=512))
     language = fields.String(load_default=None, validate=validate.Regexp(
         r"^([A-Za-z]{2,3}([-_][A-Za-z0-9]{2,8})?)?$", error="must be an ISO-639-1 code such as 'en'"))

@@ -1,7 +1,7 @@
 """Who is calling: bearer keys (MLXQ_API_KEYS), the admin key (MLXQ_ADMIN_KEY), and what each may see.
 
 - No key configured at all: the server is open (a local or trusted deployment), the dashboard too.
-- API keys: every endpoint but /health needs one of them (or the admin key). A key owns the async
+- API keys: every endpoint but /health and /ready needs one of them (or the admin key). A key owns the async
   jobs it creates: another key cannot see, follow, fetch or cancel them (they answer 404).
 - The admin key sees every job, and it alone opens the dashboard at /rq (which shows every user's
   jobs, results and the server's internals). With API keys but no admin key, the dashboard is closed.
@@ -18,8 +18,8 @@ from flask import Flask, current_app, g, request
 
 from web.errors import APIError
 
-OPEN_PATHS = frozenset({"/health"})
-"""Paths answered without a key: the liveness probe reveals nothing."""
+OPEN_PATHS = frozenset({"/health", "/ready"})
+"""Paths answered without a key: the probes an orchestrator calls, which reveal nothing."""
 
 ANONYMOUS = ""
 """The owner of jobs created without a key (an open server's callers all share it)."""

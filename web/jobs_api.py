@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import time
 
-from flask import Response, g, request, url_for
+from flask import Response, g, jsonify, request, url_for
 
 from jobs import queues, records
 from jobs.events import HEARTBEAT, has_ended, read_log
@@ -22,13 +22,13 @@ from web.audio_schemas import (
     JobSchema,
     JobTranscriptionFormSchema,
     ResultQuerySchema,
-    TranscriptionFileSchema,
 )
 from web.auth import caller
 from web.errors import APIError
 from web.jobrun import KEEPALIVE_S
 from web.jsonbody import Blueprint
 from web.openai_api import chat_messages, resolve_model, sampling_payload
+from web.response_schemas import SSE, TEXT, AnyObjectSchema, ServerSentEventSchema
 from web.services import Services, services
 from web.sse import SSE_HEADERS, sse_comment, sse_data
 from web.uploads import accepts_upload, discard_job
@@ -100,13 +100,12 @@ def _create_and_enqueue(job_id: str, kind: str, fields: dict, func: str, payload
 
 @blp.route("/transcriptions", methods=["POST"])
 @accepts_upload
-@blp.arguments(TranscriptionFileSchema(), location="files")
-@blp.arguments(JobTranscriptionFormSchema(), location="form", content_type="multipart/form-data")  # documented
+@blp.arguments(JobTranscriptionFormSchema(), location="multipart")
 @blp.response(202, JobAcceptedSchema)
-def create_transcription(files, form):
+def create_transcription(form):
     """Submit an async transcription; follow it at /v1/jobs/{id}."""
     job_id = queues.new_job_id("job")
-    payload, options, upload = prepare_transcription(form, files, job_id, "async")
+    payload, options, upload = prepare_transcription(form, job_id, "async")
     duration_s = options["meta"]["duration_s"]
     params = {"response_format": form["response_format"], "duration_s": duration_s,
               "timestamp_granularities": form["timestamp_granularities"]}  # the defaults of /result
@@ -166,6 +165,10 @@ def get_job(job_id: str):
 
 @blp.route("/<job_id>/result", methods=["GET"])
 @blp.arguments(ResultQuerySchema(), location="query")
+@blp.response(200, AnyObjectSchema, description="A transcription (in the format asked for: text, srt and vtt "
+              "as text/plain) or a chat.completion object")
+@blp.alt_response(200, schema={"type": "string"}, content_type=TEXT, success=True)
+@blp.alt_response(409, description="The job has not succeeded (yet)")
 def job_result(query, job_id: str):
     """A finished job's result (transcriptions in any response format); 409 while it is not ready."""
     svc = services()
@@ -184,7 +187,7 @@ def job_result(query, job_id: str):
     if result is None:
         raise APIError(404, f"The result of job '{job_id}' has expired.", "result_expired")
     if record["kind"] != "transcription":
-        return result_body(record, result)
+        return jsonify(result_body(record, result))
     params = (records.load(svc.redis, job_id) or {}).get("params") or {}
     fmt = query["format"] or params.get("response_format") or "json"
     return rendered(result, fmt, params.get("timestamp_granularities") or ("segment",))
@@ -206,6 +209,9 @@ def _last_event_id(query: dict) -> int:
 
 @blp.route("/<job_id>/events", methods=["GET"])
 @blp.arguments(EventsQuerySchema(), location="query")
+@blp.response(200, ServerSentEventSchema, content_type=SSE, description="Events with `id` and `event` "
+              "(progress, segment, delta, done, error); the stream ends after done or error")
+@blp.alt_response(204, description="The client has already seen the job's last event")
 def job_events(query, job_id: str):
     """Server-Sent Events of a job (progress, segment, delta, done, error), replayed from the log.
 

@@ -16,6 +16,7 @@ import flask
 import flask_smorest
 from webargs import core
 from webargs.flaskparser import FlaskParser
+from werkzeug.datastructures import CombinedMultiDict
 
 from web.errors import APIError
 
@@ -79,9 +80,15 @@ def _dotted(path: tuple) -> str | None:
 
 
 class StrictParser(FlaskParser):
-    """webargs' Flask parser with strict JSON, and validation errors answered as 400 (not 422)."""
+    """webargs' Flask parser with strict JSON, validation errors answered as 400 (not 422), and a
+    `multipart` location: a form's fields and files in one schema (so OpenAPI documents one body)."""
 
     DEFAULT_VALIDATION_STATUS = 400
+    __location_map__ = {**FlaskParser.__location_map__, "multipart": "load_multipart"}
+
+    def load_multipart(self, req: flask.Request, schema):
+        """A multipart form's text fields and file parts together."""
+        return self._makeproxy(CombinedMultiDict([req.files, req.form]), schema)
 
     def _raw_load_json(self, req: flask.Request):
         if not core.is_json(req.mimetype):
@@ -101,3 +108,5 @@ class Blueprint(flask_smorest.Blueprint):
     """flask-smorest's Blueprint with mlxq's strict argument parser (every view uses this one)."""
 
     ARGUMENTS_PARSER = StrictParser()
+    DEFAULT_LOCATION_CONTENT_TYPE_MAPPING = {**flask_smorest.Blueprint.DEFAULT_LOCATION_CONTENT_TYPE_MAPPING,
+                                             "multipart": "multipart/form-data"}

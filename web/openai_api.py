@@ -13,6 +13,7 @@ from jobs.store import ModelNotFound, resolve
 from web.errors import APIError
 from web.jobrun import stream_response, submit, wait_for_result
 from web.jsonbody import Blueprint
+from web.response_schemas import SSE, ChatCompletionSchema, CompletionSchema, ServerSentEventSchema
 from web.schemas import ChatCompletionRequestSchema, CompletionRequestSchema
 from web.services import services
 from web.sse import sse_data
@@ -87,6 +88,9 @@ def _usage_wanted(body: dict) -> bool:
 
 @blp.route("/chat/completions", methods=["POST"])
 @blp.arguments(ChatCompletionRequestSchema())
+@blp.response(200, ChatCompletionSchema, description="A chat.completion; with `stream`, chat.completion.chunk "
+              "events, then `data: [DONE]`")
+@blp.alt_response(200, schema=ServerSentEventSchema, content_type=SSE, success=True)
 def chat_completions(body):
     """Create a chat completion (plain JSON, or SSE chunks when `stream` is true)."""
     info = resolve_model(body["model"], "text")
@@ -135,6 +139,9 @@ def _chat_chunks(job_id: str, model: str, created: int, include_usage: bool):
 
 @blp.route("/completions", methods=["POST"])
 @blp.arguments(CompletionRequestSchema())
+@blp.response(200, CompletionSchema, description="A text_completion; with `stream`, text_completion events, "
+              "then `data: [DONE]`")
+@blp.alt_response(200, schema=ServerSentEventSchema, content_type=SSE, success=True)
 def completions(body):
     """Create a text completion for one prompt or a list of prompts (one choice each)."""
     info = resolve_model(body["model"], "text")

@@ -89,12 +89,13 @@ def test_unknown_route_is_404_envelope(api):
 def test_api_keys_are_required_on_every_endpoint(redis_url):
     client = create_app({"redis_url": redis_url, "api_keys": "k1,k2"}).test_client()
     for method, path in [("get", "/v1/models"), ("post", "/v1/chat/completions"), ("post", "/v1/completions"),
-                         ("get", "/ready"), ("get", "/openapi.json"), ("get", "/rq/")]:
+                         ("get", "/openapi.json"), ("get", "/v1/jobs")]:
         assert_envelope(getattr(client, method)(path), 401, code="invalid_api_key")
         wrong = getattr(client, method)(path, headers={"Authorization": "Bearer nope"})
         assert_envelope(wrong, 401, code="invalid_api_key")
     assert client.get("/v1/models", headers={"Authorization": "Bearer k2"}).status_code == 200
     assert client.get("/health").status_code == 200
+    assert client.get("/ready").status_code in (200, 503)  # probes need no key (503: no worker here)
 
 
 def test_dashboard_needs_the_admin_key(redis_url):

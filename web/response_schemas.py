@@ -1,0 +1,131 @@
+"""Schemas of what the API answers, for /openapi.json: the error envelope, OpenAI's answer shapes, SSE.
+
+They document; the views render (a schema-fuzzing test checks that every answer matches them).
+"""
+
+from __future__ import annotations
+
+from marshmallow import INCLUDE, Schema, fields
+
+
+class ErrorDetailSchema(Schema):
+    """The `error` object: OpenAI's four fields, and sometimes more (job_id, reason, job_status...)."""
+
+    class Meta:
+        unknown = INCLUDE
+
+    message = fields.String(required=True)
+    type = fields.String(required=True)
+    param = fields.String(required=True, allow_none=True)
+    code = fields.String(required=True, allow_none=True)
+
+
+class ErrorEnvelopeSchema(Schema):
+    """Every error answer: `{"error": {...}, "request_id": ...}` (also the `X-Request-ID` header)."""
+
+    error = fields.Nested(ErrorDetailSchema, required=True)
+    request_id = fields.String(required=True, allow_none=True)
+
+
+class UsageSchema(Schema):
+    """Token counts of a text answer."""
+
+    prompt_tokens = fields.Integer(required=True)
+    completion_tokens = fields.Integer(required=True)
+    total_tokens = fields.Integer(required=True)
+
+
+class AssistantMessageSchema(Schema):
+    """The message of a chat choice."""
+
+    role = fields.String(required=True)
+    content = fields.String(required=True)
+
+
+class ChatChoiceSchema(Schema):
+    """One choice of a chat.completion."""
+
+    index = fields.Integer(required=True)
+    message = fields.Nested(AssistantMessageSchema, required=True)
+    logprobs = fields.Raw(required=True, allow_none=True)
+    finish_reason = fields.String(required=True, allow_none=True)
+
+
+class ChatCompletionSchema(Schema):
+    """A `chat.completion` object."""
+
+    id = fields.String(required=True)
+    object = fields.String(required=True)
+    created = fields.Integer(required=True)
+    model = fields.String(required=True)
+    system_fingerprint = fields.String(required=True, allow_none=True)
+    choices = fields.List(fields.Nested(ChatChoiceSchema), required=True)
+    usage = fields.Nested(UsageSchema, required=True)
+
+
+class CompletionChoiceSchema(Schema):
+    """One choice of a text_completion."""
+
+    index = fields.Integer(required=True)
+    text = fields.String(required=True)
+    logprobs = fields.Raw(required=True, allow_none=True)
+    finish_reason = fields.String(required=True, allow_none=True)
+
+
+class CompletionSchema(Schema):
+    """A `text_completion` object."""
+
+    id = fields.String(required=True)
+    object = fields.String(required=True)
+    created = fields.Integer(required=True)
+    model = fields.String(required=True)
+    system_fingerprint = fields.String(required=True, allow_none=True)
+    choices = fields.List(fields.Nested(CompletionChoiceSchema), required=True)
+    usage = fields.Nested(UsageSchema, required=True)
+
+
+class TranscriptionSchema(Schema):
+    """A transcription as `json` (only `text`) or `verbose_json` (everything, segments and/or words)."""
+
+    class Meta:
+        unknown = INCLUDE
+
+    text = fields.String(required=True)
+    task = fields.String()
+    language = fields.String(allow_none=True)
+    duration = fields.Float()
+    segments = fields.List(fields.Dict())
+    words = fields.List(fields.Dict())
+
+
+class AnyObjectSchema(Schema):
+    """A JSON object of any shape (a job's result: a transcription or a chat.completion)."""
+
+    class Meta:
+        unknown = INCLUDE
+
+
+class ServerSentEventSchema(Schema):
+    """One Server-Sent Event: `data` is a JSON document (or `[DONE]`, the end of an OpenAI stream)."""
+
+    data = fields.String(required=True)
+    event = fields.String()
+    id = fields.String()
+
+
+class HealthSchema(Schema):
+    """GET /health."""
+
+    status = fields.String(required=True)
+
+
+class ReadySchema(Schema):
+    """GET /ready: whether Redis answers and a worker is alive."""
+
+    status = fields.String(required=True)
+    redis = fields.Boolean(required=True)
+    worker = fields.Boolean(required=True)
+
+
+SSE = "text/event-stream"
+TEXT = "text/plain"
