@@ -40,6 +40,13 @@ def redis_answers(url: str) -> bool:
         return False
 
 
+def redis_argv(port: int, data_dir: Path) -> list[str]:
+    """redis-server's options for mlxq: loopback only, and durable (an fsync'd append-only file every
+    second), so queued jobs and their records survive a restart; docs/operations.md says why."""
+    return ["--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir), "--save", "",
+            "--appendonly", "yes", "--appendfsync", "everysec"]
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free right now (also used by the tests and benchmarks)."""
     with socket.socket() as s:
@@ -76,8 +83,8 @@ class Stack:
         data_dir.mkdir(parents=True, exist_ok=True)
         url = f"redis://127.0.0.1:{port}/0"
         self.log(f"redis: nothing answers at {settings.redis_url}; starting {binary} on port {port}")
-        self.start("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(data_dir)])
+        # An append-only file: jobs accepted (answered 202) survive a restart of this Redis.
+        self.start("redis", [binary, *redis_argv(port, data_dir)])
         deadline = time.monotonic() + 10
         while not redis_answers(url):
             if time.monotonic() > deadline:

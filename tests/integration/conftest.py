@@ -74,7 +74,7 @@ class Service:
         self.redis_url = redis_url
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        env = service_env(redis_url, models_dir, **extra_env)
+        self.env = env = service_env(redis_url, models_dir, **extra_env)
         self.worker = Proc("worker", [sys.executable, "-m", "workers.main"], env)
         self.web = Proc("web", gunicorn_argv("127.0.0.1", self.port, 1), env)
 
@@ -116,7 +116,8 @@ def service(redis_url, models_dir):
     # Database 1: the running worker must never take the jobs other tests enqueue on database 0.
     service_url = redis_url.rsplit("/", 1)[0] + "/1"
     redis.Redis.from_url(service_url).flushdb()
-    svc = Service(service_url, models_dir, MLXQ_WEBHOOK_ALLOW_PRIVATE=1, MLXQ_WEBHOOK_SECRET="test-secret").start()
+    svc = Service(service_url, models_dir, MLXQ_WEBHOOK_ALLOW_PRIVATE=1, MLXQ_WEBHOOK_SECRET="test-secret",
+                  MLXQ_BODY_TIMEOUT_S=3).start()
     yield svc
     svc.stop()
 
