@@ -93,10 +93,10 @@ def rtf_entry(audio_s: float, wall_s: float, text: str, reference: str, **extra)
 
 
 def worker_float32(model_dir: Path) -> bool:
-    """The float32 decision the worker's registry makes for this model (same policy, same budget)."""
+    """The float32 decision the worker's model manager makes for this model (same policy, same budget)."""
     from jobs.settings import load_settings
+    from workers.models import memory_budget_bytes, weight_stats
     from workers.platform import detect
-    from workers.registry import memory_budget_bytes, weight_stats
 
     info = detect()
     f32 = weight_stats(model_dir).float32_bytes
@@ -113,9 +113,9 @@ def direct_generate(model, audio) -> str:
 
 def load_direct(model_dir: Path):
     """Load the model as the worker would (its float32 policy) and warm it up on a fixture."""
-    from workers import speech
+    from workers.backends import whisper
 
-    model, _ = speech.load(model_dir, worker_float32(model_dir))
+    model, _ = whisper.load(model_dir, worker_float32(model_dir))
     direct_generate(model, decode_audio(WARMUP_AUDIO))
     return model
 

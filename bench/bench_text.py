@@ -43,14 +43,14 @@ def same_weights_everywhere(model_dir: Path) -> Path:
     On a Linux CPU with fast BLAS the worker runs small models dequantized to float32; mlx_lm.server
     would run the stored quantized weights, so it gets a float32 copy too (same weights for all).
     """
+    from workers.models import weight_stats
     from workers.platform import detect
-    from workers.registry import weight_stats
 
     if not detect().use_float32(weight_stats(model_dir).float32_bytes):
         return model_dir
     import mlx_lm.utils
 
-    from workers.text import load
+    from workers.backends.textgen import load
 
     model, tokenizer = load(model_dir, float32=True)
     config = json.loads((model_dir / "config.json").read_text())

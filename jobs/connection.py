@@ -1,27 +1,50 @@
-"""The Redis connection: one client (with its pool) per process and URL, never one per access."""
+"""The Redis connection: one client (with its pool) per process, URL and policy; never one per access.
+
+Two policies. The web tier fails fast: a request it cannot queue is answered 503 at once, and the
+client retries. The worker rides out a Redis restart: every command is retried with backoff for up
+to about a minute (its events are published idempotently, jobs.events), so a job in progress
+carries on instead of the worker giving up on it.
+"""
 
 from __future__ import annotations
 
 import threading
 
 import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
 
-_clients: dict[str, redis.Redis] = {}
+PATIENT_RETRIES = 40
+"""Retries of a worker's command when Redis is unreachable: 0.05 s doubling up to 2 s, ~70 s in all."""
+
+_clients: dict[tuple[str, bool], redis.Redis] = {}
 _lock = threading.Lock()
 
 
-def get_redis(url: str) -> redis.Redis:
-    """Return this process's shared Redis client for `url` (bytes responses, as RQ needs)."""
-    client = _clients.get(url)
+def get_redis(url: str, patient: bool = False) -> redis.Redis:
+    """Return this process's shared Redis client for `url` (bytes responses, as RQ needs).
+
+    `patient`: retry each command for about a minute when Redis is unreachable (the worker).
+    """
+    key = (url, patient)
+    client = _clients.get(key)
     if client is None:
         with _lock:
-            client = _clients.get(url)
+            client = _clients.get(key)
             if client is None:
-                client = redis.Redis.from_url(
-                    url, socket_connect_timeout=2, socket_timeout=10, health_check_interval=30
-                )
-                _clients[url] = client
+                client = _make_client(url, patient)
+                _clients[key] = client
     return client
+
+
+def _make_client(url: str, patient: bool) -> redis.Redis:
+    options = {"socket_connect_timeout": 2, "socket_timeout": 10, "health_check_interval": 30}
+    if patient:
+        options.update(retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), PATIENT_RETRIES),
+                       retry_on_error=[redis.ConnectionError, redis.TimeoutError])
+    else:
+        options.update(retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), 1))
+    return redis.Redis.from_url(url, **options)
 
 
 def reset_clients() -> None:
@@ -30,48 +53,3 @@ def reset_clients() -> None:
         for client in _clients.values():
             client.close()
         _clients.clear()
-
-
-class SentCommands:
-    """Commands sent to Redis now, on a connection held from the pool, whose replies are read later.
-
-    Nothing else reads or writes on that connection until the replies are read (or discarded), so
-    a sender can go on with its work instead of waiting a round trip.
-    """
-
-    def __init__(self, pool: redis.ConnectionPool, commands: list[tuple]):
-        self._pool = pool
-        self._connection = pool.get_connection()
-        try:
-            self._connection.send_packed_command(self._connection.pack_commands(commands))
-        except BaseException:
-            self._release(broken=True)
-            raise
-
-    @property
-    def pending(self) -> bool:
-        """Whether the replies are still unread."""
-        return self._connection is not None
-
-    def discard(self) -> None:
-        """Give the connection back without reading the replies (when leaving on an error)."""
-        if self._connection is not None:
-            self._release(broken=True)
-
-    def _read_replies(self, count: int) -> list:
-        """Read `count` replies, then give the connection back; raise a reply's error."""
-        if self._connection is None:
-            raise redis.ConnectionError("the replies were lost with their connection")
-        try:
-            replies = [self._connection.read_response() for _ in range(count)]
-        except BaseException:
-            self._release(broken=True)  # replies may still come, on a connection nobody reads
-            raise
-        self._release(broken=False)
-        return replies
-
-    def _release(self, broken: bool) -> None:
-        connection, self._connection = self._connection, None
-        if broken:
-            connection.disconnect()
-        self._pool.release(connection)

@@ -8,11 +8,11 @@ event, `done` or `error`. Ids start at 1 and increase by one per event of that j
 from __future__ import annotations
 
 import json
+import uuid
 
 import redis
 
 from jobs import keys
-from jobs.connection import SentCommands
 
 DELTA = "delta"
 SEGMENT = "segment"
@@ -24,13 +24,19 @@ TERMINAL = frozenset({DONE, ERROR})
 
 # Assign ids, append to the capped log and publish in one atomic step, so the log's order is the id
 # order and a terminal event can never be followed by another (a later one is dropped). ARGV: ttl,
-# cap, then a type and a JSON data per event; several events cost one round trip. Returns the last
-# id and whether the job's cancel flag is set, so a publishing worker learns of a cancel for free.
+# cap, a token naming this publish, then a type and a JSON data per event; several events cost one
+# round trip. A publish whose token is the last one applied is not applied again: a worker resends
+# a publish whose reply a dropped connection lost, and the events must not appear twice. Returns the
+# last id and whether the job's cancel flag is set, so a publishing worker learns of a cancel for free.
 _PUBLISH_LUA = """
 local seq_key, log_key, channel, cancel_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local ttl, cap = tonumber(ARGV[1]), tonumber(ARGV[2])
+local ttl, cap, token = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
+local token_key = seq_key .. ':token'
+if redis.call('GET', token_key) == token then
+  return {tonumber(redis.call('GET', seq_key) or 0), redis.call('EXISTS', cancel_key)}
+end
 local id = 0
-for i = 3, #ARGV, 2 do
+for i = 4, #ARGV, 2 do
   if redis.call('GET', seq_key .. ':ended') then break end
   local etype, data = ARGV[i], ARGV[i + 1]
   id = redis.call('INCR', seq_key)
@@ -43,13 +49,14 @@ if id > 0 then
   redis.call('LTRIM', log_key, -cap, -1)
   redis.call('EXPIRE', log_key, ttl)
   redis.call('EXPIRE', seq_key, ttl)
+  redis.call('SET', token_key, token, 'EX', ttl)
 end
 return {id, redis.call('EXISTS', cancel_key)}
 """
 
 
 class EventPublisher:
-    """Publishes events for jobs (used by the worker, and by web to fail a job whose worker died)."""
+    """Publishes events for jobs (used by the worker, and by readers to fail a job whose worker died)."""
 
     def __init__(self, connection: redis.Redis, ttl_s: int, log_max: int):
         self.connection = connection
@@ -64,49 +71,17 @@ class EventPublisher:
     def publish_many(self, job_id: str, events: list[tuple[str, dict | None]]) -> tuple[int, bool]:
         """Publish events in order in one round trip; return (the last id, 0 if the job had ended;
         whether a cancel of the job was requested)."""
-        job_keys, args = self._keys_and_args(job_id, events)
-        last_id, cancel_requested = self._script(keys=job_keys, args=args)
-        return int(last_id), bool(cancel_requested)
-
-    def send_many(self, job_id: str, events: list[tuple[str, dict | None]]) -> "SentPublish":
-        """Send what publish_many would, without waiting for Redis's reply (read it with `result()`).
-
-        For a generating worker: a round trip it waits for is time the next token is not being
-        computed. The reply must be read before the job publishes anything else (on another
-        connection, the next publish could overtake this one).
-        """
-        job_keys, args = self._keys_and_args(job_id, events)
-        # EVAL with the script's text, not EVALSHA: a NOSCRIPT error, read only later, would mean
-        # events never published.
-        return SentPublish(self.connection.connection_pool, ("EVAL", _PUBLISH_LUA, len(job_keys), *job_keys, *args))
-
-    def _keys_and_args(self, job_id: str, events: list[tuple[str, dict | None]]) -> tuple[list, list]:
-        args: list = [self.ttl_s, self.log_max]
+        args: list = [self.ttl_s, self.log_max, uuid.uuid4().hex]
         for event_type, data in events:
             args += [event_type, json.dumps(data or {}, separators=(",", ":"))]
         job_keys = [keys.event_seq(job_id), keys.event_log(job_id), keys.event_channel(job_id),
                     keys.cancel_flag(job_id)]
-        return job_keys, args
+        last_id, cancel_requested = self._script(keys=job_keys, args=args)
+        return int(last_id), bool(cancel_requested)
 
-    def error(self, job_id: str, message: str, code: str = "internal_error", **extra) -> int:
-        """Publish the terminal error event of a job."""
-        return self.publish(job_id, ERROR, {"message": message, "code": code, **extra})
-
-
-class SentPublish(SentCommands):
-    """A publish sent to Redis whose reply is read later (EventPublisher.send_many)."""
-
-    def __init__(self, pool: redis.ConnectionPool, command: tuple):
-        super().__init__(pool, [command])
-        self._reply: tuple[int, bool] | None = None
-
-    def result(self) -> tuple[int, bool]:
-        """Read the reply (waiting for it if it has not come yet): (the last id, whether a cancel of
-        the job was requested). Raises the publish's error. Idempotent."""
-        if self._reply is None:
-            [(last_id, cancel_requested)] = self._read_replies(1)
-            self._reply = (int(last_id), bool(cancel_requested))
-        return self._reply
+    def error(self, job_id: str, data: dict) -> int:
+        """Publish the terminal error event of a job (data: jobs.errors.error_data's shape)."""
+        return self.publish(job_id, ERROR, data)
 
 
 def decode(raw: bytes | str) -> dict:

@@ -51,5 +51,6 @@ def checkpoint_key(job_id: str) -> str:
     return f"{PREFIX}:ckpt:{job_id}"
 
 
-WORKER_DOORBELL = f"{PREFIX}:doorbell"
-"""List the GPU worker blocks on: a token goes in with every job pushed on its queues (jobs.queues)."""
+def checkpoint_segments(job_id: str) -> str:
+    """Hash of a transcription's finished segments by id (JSON), kept across resumed runs."""
+    return f"{PREFIX}:ckpt:{job_id}:segments"

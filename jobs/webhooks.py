@@ -24,11 +24,9 @@ from urllib.parse import urlsplit
 import redis
 from rq import Retry, get_current_job
 
-from jobs import keys, queues, records
+from jobs import queues, records
 from jobs.connection import get_redis
-from jobs.events import DONE, decode, has_ended
 from jobs.settings import Settings, load_settings
-from jobs.status import fetch_job
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +175,7 @@ def delivery_id(job_id: str) -> str:
 
 def enqueue_delivery(connection: redis.Redis, settings: Settings, job_id: str):
     """Enqueue the webhook delivery of a finished job once (a second call is a no-op); return it."""
-    existing = fetch_job(connection, delivery_id(job_id))
+    existing = queues.fetch_job(connection, delivery_id(job_id))
     if existing is not None:
         return existing
     queue = queues.get_queue(queues.WEBHOOKS, connection)
@@ -185,45 +183,3 @@ def enqueue_delivery(connection: redis.Redis, settings: Settings, job_id: str):
                          retry=Retry(max=len(RETRY_INTERVALS_S), interval=RETRY_INTERVALS_S),
                          description=f"webhook for {job_id}", job_timeout=int(TIMEOUT_S * 3),
                          result_ttl=settings.result_ttl_s, failure_ttl=settings.result_ttl_s)
-
-
-def settle(connection: redis.Redis, settings: Settings, job_id: str) -> bool:
-    """Record the outcome of a job whose terminal event is logged but whose record is not final.
-
-    Workers finish records themselves (finish_record); readers call this for a job that ended
-    without its worker doing so (its worker died and a reader published the error). Enqueues the
-    webhook once. Returns True when it changed the record.
-    """
-    record = records.get(connection, job_id)
-    if record is None or record["status"] in records.TERMINAL or not has_ended(connection, job_id):
-        return False
-    raw = connection.lindex(keys.event_log(job_id), -1)  # the terminal event is always the last one
-    terminal = decode(raw) if raw else {"type": "error", "data": {"message": "The job's events expired."}}
-    data = terminal["data"]
-    if terminal["type"] != DONE:
-        _finish(connection, settings, job_id, record, records.status_of_error(data), error=data)
-    else:
-        _finish(connection, settings, job_id, record, records.SUCCEEDED, result=data.get("result", data))
-    return True
-
-
-def finish_record(connection: redis.Redis, settings: Settings, job_id: str, status: str,
-                  error: dict | None = None, result: dict | None = None) -> None:
-    """Put a job's record (if it has one) in its terminal status, with its result, and enqueue its webhook.
-
-    Workers call it before publishing the terminal event: a client who sees `done` or `error`
-    and then reads the record must find it final.
-    """
-    record = records.load(connection, job_id)
-    if record is not None:
-        _finish(connection, settings, job_id, record, status, error, result)
-
-
-def _finish(connection: redis.Redis, settings: Settings, job_id: str, record: dict, status: str,
-            error: dict | None = None, result: dict | None = None) -> None:
-    """Write an existing record's result and terminal status; enqueue its webhook if it has one."""
-    if result is not None:
-        records.set_result(connection, settings, job_id, result)
-    records.set_status(connection, settings, job_id, status, error=error)
-    if record.get("webhook_url"):
-        enqueue_delivery(connection, settings, job_id)

@@ -14,7 +14,7 @@ import redis
 
 from jobs.connection import reset_clients
 from jobs.settings import load_settings
-from mlxq.devstack import free_port
+from mlxq.devstack import free_port, redis_argv
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -32,12 +32,14 @@ def wait_until(predicate, timeout: float, interval: float = 0.05, what: str = "c
 
 
 class RedisServer:
-    """A private redis-server process on a free port, with nothing persisted."""
+    """A private redis-server process on a free port: nothing persisted, or (durable) an append-only
+    file as `mlxq up` runs it, which survives a restart."""
 
-    def __init__(self):
+    def __init__(self, durable: bool = False):
         self.port = free_port()
         self.dir = tempfile.mkdtemp(prefix="mlxq-redis-")
         self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.durable = durable
         self.process = None
 
     def start(self):
@@ -45,20 +47,25 @@ class RedisServer:
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.fail("redis-server not found on PATH: install it (apt-get install redis-server) or set REDIS_URL")
-        self.process = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", self.dir],
-            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-        )
+        if self.durable:
+            argv = redis_argv(self.port, Path(self.dir))
+        else:
+            argv = ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                    "--dir", self.dir]
+        self.process = subprocess.Popen([binary, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         client = redis.Redis.from_url(self.url, socket_connect_timeout=1)
         wait_until(lambda: _pings(client), 10, what="redis-server to answer")
         return self
 
+    def halt(self, kill: bool = False) -> None:
+        """Stop the server process (SIGTERM: a clean shutdown; kill: SIGKILL), keeping its files."""
+        if self.process and self.process.poll() is None:
+            self.process.kill() if kill else self.process.terminate()
+            self.process.wait(10)
+
     def stop(self):
         """Stop the server and remove its directory."""
-        if self.process:
-            self.process.terminate()
-            self.process.wait(10)
+        self.halt()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

@@ -6,7 +6,6 @@ import re
 import uuid
 
 from flask import Flask, g, request
-from flask_smorest import Api
 from werkzeug.exceptions import ClientDisconnected
 
 from jobs.settings import Settings, load_settings
@@ -14,7 +13,7 @@ from web import audio_api, health, jobs_api, models_api, openai_api
 from web.auth import register_auth
 from web.dashboard import mount_dashboard
 from web.errors import error_response, register_error_handlers
-from web.response_schemas import ErrorEnvelopeSchema
+from web.openapi import MlxqApi
 from web.services import Services
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -31,7 +30,6 @@ def create_app(settings: Settings | dict | None = None) -> Flask:
         OPENAPI_VERSION="3.0.3",
         OPENAPI_URL_PREFIX="/",
         OPENAPI_JSON_PATH="openapi.json",
-        API_SPEC_OPTIONS=_spec_options(settings),
         MAX_CONTENT_LENGTH=settings.max_body_kb * 1024,
     )
     app.extensions["mlxq"] = Services(settings)
@@ -39,31 +37,12 @@ def create_app(settings: Settings | dict | None = None) -> Flask:
     _register_body_timeout(app, settings.body_timeout_s)
     register_auth(app)
     register_error_handlers(app)
-    api = MlxqApi(app)
+    api = MlxqApi(app, settings)
     for module in (openai_api, models_api, health, audio_api, jobs_api):
         api.register_blueprint(module.blp)
     mount_dashboard(app, settings.redis_url)
     register_error_handlers(app)  # again: Api() installs its own handlers; ours must win
     return app
-
-
-class MlxqApi(Api):
-    """flask-smorest's Api documenting mlxq's real error envelope as every operation's error answer."""
-
-    ERROR_SCHEMA = ErrorEnvelopeSchema
-
-
-def _spec_options(settings: Settings) -> dict:
-    """OpenAPI document extras: the bearer scheme, required on every operation when keys are set."""
-    options = {
-        "info": {"description": "OpenAI-compatible API for MLX models, with a Redis job queue. Every error is "
-                                "answered with the envelope `{\"error\": {message, type, param, code}, "
-                                "\"request_id\"}`."},
-        "components": {"securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}}},
-    }
-    if settings.api_keys:
-        options["security"] = [{"bearerAuth": []}]
-    return options
 
 
 def _register_request_id(app: Flask) -> None:

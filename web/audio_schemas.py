@@ -14,15 +14,13 @@ from marshmallow import (
 )
 from werkzeug.datastructures import FileStorage
 
+from jobs.contract import DEFAULT_SPEECH_MODEL
 from jobs.formats import FORMATS, GRANULARITIES
 from jobs.records import STATUSES
 from jobs.webhooks import UnsafeDestination, check_destination
 from web.jsonbody import JSONRejected, loads
 from web.schemas import ChatCompletionRequestSchema
 from web.services import services
-
-DEFAULT_SPEECH_MODEL = "whisper-tiny.en"
-"""Model used when a transcription request names none (OpenAI's clients always send one)."""
 
 MAX_METADATA_KEYS = 16
 

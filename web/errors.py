@@ -59,11 +59,15 @@ def error_response(status: int, message: str, code=None, param=None, headers=Non
     return response
 
 
+_LOCATIONS = frozenset({"json", "form", "files", "multipart", "query", "headers", "view_args", "cookies", "_schema"})
+"""webargs' top-level keys: where the field was, not part of its name."""
+
+
 def _first_field_error(messages, prefix: str = "") -> tuple[str, str]:
     """Flatten marshmallow's nested messages to (dotted field name, first message)."""
     if isinstance(messages, dict):
         for key, value in messages.items():
-            if key in ("json", "form", "files", "query", "_schema") and not prefix:
+            if key in _LOCATIONS and not prefix:
                 return _first_field_error(value, "")
             name = f"{prefix}.{key}" if prefix else str(key)
             return _first_field_error(value, name)

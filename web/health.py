@@ -5,7 +5,7 @@ from __future__ import annotations
 import redis
 from flask import jsonify
 
-from jobs.status import any_worker_alive
+from jobs.lifecycle import any_worker_alive
 from web.jsonbody import Blueprint
 from web.response_schemas import HealthSchema, ReadySchema
 from web.services import services

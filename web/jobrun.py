@@ -11,8 +11,9 @@ from typing import Callable, Iterator
 from flask import Response, g, request
 
 from jobs import queues
+from jobs.contract import Request, to_payload
 from jobs.events import DONE, ERROR
-from jobs.status import fail_if_orphaned, request_cancel
+from jobs.lifecycle import fail_if_orphaned, request_cancel
 from jobs.subscriber import IDLE, follow
 from web.errors import APIError
 from web.services import Services, services
@@ -27,22 +28,21 @@ CLIENT_CHECK_S = 1.0
 """How often a non-streamed call looks whether its client is still connected."""
 
 
-def submit(func: str, payload: dict, kind: str, description: str, queue: str = queues.INTERACTIVE,
-           job_id: str | None = None, meta: dict | None = None) -> str:
-    """Enqueue `func(payload)` for a synchronous call under an explicit id (fresh unless given); return it."""
+def submit(request: Request, func: str, description: str, queue: str = queues.INTERACTIVE,
+           timeout_s: int | None = None, meta: dict | None = None) -> str:
+    """Enqueue a request under its id (a synchronous call's by default: on `interactive`); return the id."""
     svc = services()
-    job_id = job_id or queues.new_job_id(kind)
-    payload = {**payload, "request_id": g.request_id}
-    queues.enqueue(svc.redis, svc.settings, queue, func, payload, job_id, description=description,
-                   timeout_s=int(svc.settings.sync_timeout_s) + 60, meta=meta)
-    return job_id
+    timeout_s = timeout_s or int(svc.settings.sync_timeout_s) + 60
+    queues.enqueue(svc.redis, svc.settings, queue, func, to_payload(request), request.id, description=description,
+                   timeout_s=timeout_s, meta={"request_id": g.request_id, **(meta or {})})
+    return request.id
 
 
 def _events(svc: Services, job_id: str, deadline: float) -> Iterator[dict]:
     """Follow the job's events, failing it when its worker died; IDLE past the deadline raises 504."""
 
     def on_idle():
-        fail_if_orphaned(svc.redis, svc.publisher, job_id)
+        fail_if_orphaned(svc.redis, svc.settings, job_id)
 
     for event in follow(svc.hub, job_id, on_idle=on_idle):
         if event is IDLE and time.monotonic() > deadline:

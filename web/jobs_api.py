@@ -5,14 +5,13 @@ from __future__ import annotations
 import re
 import time
 
-from flask import Response, g, jsonify, request, url_for
+from flask import Response, jsonify, request, url_for
 
 from jobs import queues, records
 from jobs.events import HEARTBEAT, has_ended, read_log
-from jobs.status import fetch_job, request_cancel
+from jobs.lifecycle import cancel_queued, request_cancel, settle
 from jobs.subscriber import IDLE, follow
-from jobs.webhooks import enqueue_delivery, settle
-from web.audio_api import prepare_transcription, rendered
+from web import intake, render
 from web.audio_schemas import (
     EventsQuerySchema,
     JobAcceptedSchema,
@@ -25,13 +24,12 @@ from web.audio_schemas import (
 )
 from web.auth import caller
 from web.errors import APIError
-from web.jobrun import KEEPALIVE_S
+from web.jobrun import KEEPALIVE_S, submit
 from web.jsonbody import Blueprint
-from web.openai_api import chat_messages, resolve_model, sampling_payload
 from web.response_schemas import SSE, TEXT, AnyObjectSchema, ServerSentEventSchema
 from web.services import Services, services
 from web.sse import SSE_HEADERS, sse_comment, sse_data
-from web.uploads import accepts_upload, discard_job
+from web.uploads import accepts_upload
 
 blp = Blueprint("jobs", __name__, url_prefix="/v1/jobs", description="Async jobs: transcriptions and chat")
 
@@ -58,42 +56,20 @@ def _record_or_404(job_id: str) -> dict:
     record = records.get(svc.redis, job_id) if stored and caller().may_see(stored) else None
     if record is None:  # another key's job is as good as absent
         raise APIError(404, f"No job with id '{job_id}' (it may have expired).", "job_not_found", "id")
-    if record["kind"] == "chat" and record["status"] not in records.TERMINAL:
-        record = _reconcile_chat(record)
+    if record["status"] not in records.TERMINAL and settle(svc.redis, svc.settings, job_id):
+        record = records.get(svc.redis, job_id)  # it ended without its worker (a reader saw it die)
     return record
 
 
-def _reconcile_chat(record: dict) -> dict:
-    """Async chat runs a function that knows nothing of records: read its state from RQ and its events."""
-    svc = services()
-    if settle(svc.redis, svc.settings, record["id"]):
-        return records.get(svc.redis, record["id"])
-    job = fetch_job(svc.redis, record["id"])
-    if record["status"] == "queued" and job is not None and job.get_status() == "started":
-        records.set_status(svc.redis, svc.settings, record["id"], "running")
-        return records.get(svc.redis, record["id"])
-    return record
-
-
-def result_body(record: dict, result: dict | None):
-    """A job's result as the client sees it: verbose_json, or a chat.completion object for chat."""
-    if record["kind"] != "chat" or result is None:
-        return result
-    choices = [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
-                "logprobs": None, "finish_reason": c["finish_reason"]} for c in result["choices"]]
-    return {"id": record["id"], "object": "chat.completion", "created": result.get("created") or record["created_at"],
-            "model": result.get("model", record.get("model")), "system_fingerprint": None,
-            "choices": choices, "usage": result.get("usage")}
-
-
-def _create_and_enqueue(job_id: str, kind: str, fields: dict, func: str, payload: dict, **options) -> None:
+def _create_and_enqueue(request, kind: str, fields: dict, func: str, description: str, timeout_s: int,
+                        meta: dict) -> None:
     """Create the job's record, then enqueue it on `batch` (the record says failed if that is refused)."""
     svc = services()
-    records.create(svc.redis, svc.settings, job_id, kind, {**fields, "owner": caller().owner})
+    records.create(svc.redis, svc.settings, request.id, kind, {**fields, "owner": caller().owner})
     try:
-        queues.enqueue(svc.redis, svc.settings, queues.BATCH, func, payload, job_id, **options)
+        submit(request, func, description, queue=queues.BATCH, timeout_s=timeout_s, meta=meta)
     except Exception as exc:
-        records.set_status(svc.redis, svc.settings, job_id, "failed",
+        records.set_status(svc.redis, svc.settings, request.id, "failed",
                            error={"message": f"Not enqueued: {exc}", "code": "not_enqueued", "status": 503})
         raise
 
@@ -104,16 +80,18 @@ def _create_and_enqueue(job_id: str, kind: str, fields: dict, func: str, payload
 @blp.response(202, JobAcceptedSchema)
 def create_transcription(form):
     """Submit an async transcription; follow it at /v1/jobs/{id}."""
-    job_id = queues.new_job_id("job")
-    payload, options, upload = prepare_transcription(form, job_id, "async")
-    duration_s = options["meta"]["duration_s"]
+    request, upload, audio = intake.transcription_request(form, queues.new_job_id("job"), is_async=True)
+    duration_s = round(audio.duration_s, 3)
     params = {"response_format": form["response_format"], "duration_s": duration_s,
               "timestamp_granularities": form["timestamp_granularities"]}  # the defaults of /result
-    fields = {"model": payload["model"], "filename": upload.filename, "metadata": form["metadata"] or {},
+    fields = {"model": request.model.id, "filename": upload.filename, "metadata": form["metadata"] or {},
               "webhook_url": form["webhook_url"], "params": params}
-    _create_and_enqueue(job_id, "transcription", fields, queues.TRANSCRIPTION, payload,
-                        timeout_s=max(3600, int(duration_s * 3) + 600), **options)
-    return _accepted(job_id)
+    meta = {"kind": "transcription", "model": request.model.id, "filename": upload.filename,
+            "duration_s": duration_s, "bytes": upload.size}
+    _create_and_enqueue(request, "transcription", fields, queues.TRANSCRIPTION,
+                        intake.describe_audio(upload, audio, request.model.id),
+                        timeout_s=max(3600, int(duration_s * 3) + 600), meta=meta)
+    return _accepted(request.id)
 
 
 @blp.route("/chat/completions", methods=["POST"])
@@ -121,15 +99,11 @@ def create_transcription(form):
 @blp.response(202, JobAcceptedSchema)
 def create_chat(body):
     """Submit an async chat completion; its result is a chat.completion object."""
-    info = resolve_model(body["model"], "text")
-    job_id = queues.new_job_id("job")
-    payload = {**sampling_payload(body, info), "messages": chat_messages(body), "job_id": job_id,
-               "request_id": g.request_id}
-    fields = {"model": info.id, "metadata": body["metadata"] or {}, "webhook_url": body["webhook_url"]}
-    meta = {"kind": "chat", "model": info.id, "request_id": g.request_id}
-    _create_and_enqueue(job_id, "chat", fields, queues.CHAT_COMPLETION, payload,
-                        description=f"chat {info.id} (async)", timeout_s=CHAT_TIMEOUT_S, meta=meta)
-    return _accepted(job_id)
+    request = intake.chat_request(body, queues.new_job_id("job"), is_async=True)
+    fields = {"model": request.model.id, "metadata": body["metadata"] or {}, "webhook_url": body["webhook_url"]}
+    _create_and_enqueue(request, "chat", fields, queues.CHAT_COMPLETION, f"chat {request.model.id} (async)",
+                        timeout_s=CHAT_TIMEOUT_S, meta={"kind": "chat", "model": request.model.id})
+    return _accepted(request.id)
 
 
 @blp.route("", methods=["GET"])
@@ -159,7 +133,7 @@ def get_job(job_id: str):
     if record["status"] == "queued":
         extra["queue_position"] = records.queue_position(svc.redis, job_id)
     if record["status"] == "succeeded":
-        extra["result"] = result_body(record, records.get_result(svc.redis, job_id))
+        extra["result"] = render.job_result(record, records.get_result(svc.redis, job_id))
     return {**record, **extra}
 
 
@@ -187,10 +161,10 @@ def job_result(query, job_id: str):
     if result is None:
         raise APIError(404, f"The result of job '{job_id}' has expired.", "result_expired")
     if record["kind"] != "transcription":
-        return jsonify(result_body(record, result))
+        return jsonify(render.job_result(record, result))
     params = (records.load(svc.redis, job_id) or {}).get("params") or {}
     fmt = query["format"] or params.get("response_format") or "json"
-    return rendered(result, fmt, params.get("timestamp_granularities") or ("segment",))
+    return render.transcription(result, fmt, params.get("timestamp_granularities") or ("segment",))
 
 
 _EVENT_ID = re.compile(r"^[0-9]{1,15}$")
@@ -246,33 +220,15 @@ def _event_stream(svc: Services, job_id: str, after: int):
 
 @blp.route("/<job_id>", methods=["DELETE"])
 @blp.response(200, JobSchema)
+@blp.alt_response(202, schema=JobSchema, description="Running: it stops at its next piece", success=True)
 def cancel_job(job_id: str):
-    """Cancel a job: a queued one at once (200), a running one at its next chunk (202)."""
+    """Cancel a job: a queued one at once (200), a running one at its next piece (202)."""
     svc = services()
     record = _record_or_404(job_id)
     if record["status"] in records.TERMINAL:
         raise APIError(409, f"Job '{job_id}' already {record['status']}.", "already_finished",
                        job_status=record["status"])
-    request_cancel(svc.redis, job_id, svc.settings.result_ttl_s)  # flags it; drops it from its queue if queued
-    if record["status"] == "queued" and _rq_canceled(job_id):
-        return _canceled_now(record)
-    return {**records.get(svc.redis, job_id), "links": _links(job_id)}, 202
-
-
-def _rq_canceled(job_id: str) -> bool:
-    """Whether RQ holds the job as canceled (it never started)."""
-    job = fetch_job(services().redis, job_id)
-    return job is None or job.get_status() == "canceled"
-
-
-def _canceled_now(record: dict) -> dict:
-    """Finish a job canceled before it started: record, terminal event, spool, webhook."""
-    svc = services()
-    job_id = record["id"]
-    records.set_status(svc.redis, svc.settings, job_id, "canceled",
-                       error={"message": "Canceled by the client.", "code": "canceled", "status": 499})
-    svc.publisher.error(job_id, "The job was canceled.", "canceled", status=499)
-    discard_job(job_id)
-    if record.get("webhook_url"):
-        enqueue_delivery(svc.redis, svc.settings, job_id)
-    return {**records.get(svc.redis, job_id), "links": _links(job_id)}
+    ended = record["status"] == "queued" and cancel_queued(svc.redis, svc.settings, job_id)
+    if not ended:
+        request_cancel(svc.redis, job_id, svc.settings.result_ttl_s)  # its worker stops it at the next piece
+    return {**records.get(svc.redis, job_id), "links": _links(job_id)}, 200 if ended else 202

@@ -51,16 +51,21 @@ class ChatChoiceSchema(Schema):
     finish_reason = fields.String(required=True, allow_none=True)
 
 
-class ChatCompletionSchema(Schema):
-    """A `chat.completion` object."""
+class _TextAnswerSchema(Schema):
+    """What a chat.completion and a text_completion share."""
 
     id = fields.String(required=True)
     object = fields.String(required=True)
     created = fields.Integer(required=True)
     model = fields.String(required=True)
     system_fingerprint = fields.String(required=True, allow_none=True)
-    choices = fields.List(fields.Nested(ChatChoiceSchema), required=True)
     usage = fields.Nested(UsageSchema, required=True)
+
+
+class ChatCompletionSchema(_TextAnswerSchema):
+    """A `chat.completion` object."""
+
+    choices = fields.List(fields.Nested(ChatChoiceSchema), required=True)
 
 
 class CompletionChoiceSchema(Schema):
@@ -72,16 +77,10 @@ class CompletionChoiceSchema(Schema):
     finish_reason = fields.String(required=True, allow_none=True)
 
 
-class CompletionSchema(Schema):
+class CompletionSchema(_TextAnswerSchema):
     """A `text_completion` object."""
 
-    id = fields.String(required=True)
-    object = fields.String(required=True)
-    created = fields.Integer(required=True)
-    model = fields.String(required=True)
-    system_fingerprint = fields.String(required=True, allow_none=True)
     choices = fields.List(fields.Nested(CompletionChoiceSchema), required=True)
-    usage = fields.Nested(UsageSchema, required=True)
 
 
 class TranscriptionSchema(Schema):

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from marshmallow import EXCLUDE, Schema, ValidationError, fields, validate, validates_schema
 
+from jobs.contract import Sampling
+
+DEFAULTS = Sampling()
+"""The sampling defaults (jobs.contract: the one place they are set)."""
 MAX_STOP = 4
 MAX_SEED = 2**63 - 1
 """Seeds are OpenAI's int64, non-negative (MLX seeds its generator with an unsigned 64-bit integer)."""
@@ -67,13 +71,13 @@ class SamplingSchema(Schema):
 
     model = fields.String(load_default=None, validate=validate.Length(min=1, max=512))
     max_tokens = fields.Integer(strict=True, load_default=None, validate=validate.Range(min=1), allow_none=True)
-    temperature = fields.Float(load_default=1.0, validate=validate.Range(min=0, max=2), allow_none=True)
-    top_p = fields.Float(load_default=1.0, validate=validate.Range(min=0, max=1, min_inclusive=False),
+    temperature = fields.Float(load_default=DEFAULTS.temperature, validate=validate.Range(min=0, max=2), allow_none=True)
+    top_p = fields.Float(load_default=DEFAULTS.top_p, validate=validate.Range(min=0, max=1, min_inclusive=False),
                          allow_none=True)
     # Bounded by the model's vocabulary too, once the model is known (web.openai_api).
-    top_k = fields.Integer(strict=True, load_default=0, validate=validate.Range(min=0, max=MAX_TOP_K),
+    top_k = fields.Integer(strict=True, load_default=DEFAULTS.top_k, validate=validate.Range(min=0, max=MAX_TOP_K),
                            allow_none=True)
-    min_p = fields.Float(load_default=0.0, validate=validate.Range(min=0, max=1), allow_none=True)
+    min_p = fields.Float(load_default=DEFAULTS.min_p, validate=validate.Range(min=0, max=1), allow_none=True)
     seed = fields.Integer(strict=True, load_default=None, validate=validate.Range(min=0, max=MAX_SEED),
                           allow_none=True)
     stop = StringOrList(max_items=MAX_STOP, load_default=list, allow_none=True)

@@ -1,16 +1,14 @@
-"""The per-app clients (Redis, event publisher, event hub), kept in app.extensions["mlxq"]."""
+"""The per-app clients (Redis, the event hub), kept in app.extensions["mlxq"]."""
 
 from __future__ import annotations
 
 import threading
 import time
 from dataclasses import dataclass, field
-from functools import cached_property
 
 from flask import current_app
 
 from jobs.connection import get_redis
-from jobs.events import EventPublisher
 from jobs.settings import Settings
 from jobs.subscriber import EventHub
 
@@ -28,11 +26,6 @@ class Services:
     def redis(self):
         """This process's Redis client."""
         return get_redis(self.settings.redis_url)
-
-    @cached_property
-    def publisher(self) -> EventPublisher:
-        """Publishes events (used to fail a job whose worker died)."""
-        return EventPublisher(self.redis, self.settings.result_ttl_s, self.settings.event_log_max)
 
     @property
     def hub(self) -> EventHub:

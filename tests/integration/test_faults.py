@@ -103,7 +103,7 @@ def test_worker_killed_during_sync_call_answers_an_error_within_15s(service):
 
 
 def test_web_and_jobs_import_no_mlx():
-    code = ("import sys, web.app, jobs.events, jobs.store, jobs.subscriber, jobs.status, mlxq.cli; "
+    code = ("import sys, web.app, jobs.events, jobs.store, jobs.subscriber, jobs.lifecycle, jobs.contract, jobs.errors, mlxq.cli; "
             "web.app.create_app(); bad = [m for m in sys.modules if m.split('.')[0] in "
             "('mlx', 'mlx_lm', 'mlx_vlm', 'mlx_audio')]; print(bad); assert not bad, bad")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -18,9 +18,10 @@ import pytest
 import redis
 
 from bench.make_long_audio import build
-from jobs import keys, queues
+from jobs import contract, keys, queues
 from jobs.events import read_log
 from jobs.settings import load_settings
+from jobs.store import resolve
 from tests.conftest import REPO, wait_until
 
 MODEL = "smollm2-135m"
@@ -81,10 +82,13 @@ def test_a_body_that_stops_arriving_gets_a_408(service):
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 1000\r\n\r\n{\"messages\": ")
         started = time.monotonic()
-        answer = sock.recv(4096).decode(errors="replace")
+        reader = sock.makefile("rb")
+        status = reader.readline().decode()
         waited = time.monotonic() - started
-    assert answer.startswith("HTTP/1.1 408"), answer
-    assert '"request_timeout"' in answer and timeout_s - 0.5 < waited < timeout_s + 5
+        headers = dict(line.decode().split(":", 1) for line in iter(reader.readline, b"\r\n"))
+        body = reader.read(int(headers["Content-Length"])).decode()
+    assert status.startswith("HTTP/1.1 408"), status
+    assert '"request_timeout"' in body and timeout_s - 0.5 < waited < timeout_s + 5
 
 
 def _sneaky_wav() -> bytes:
@@ -116,14 +120,16 @@ def test_a_truncated_file_is_refused_not_half_transcribed(api):
 
 def test_a_sync_transcription_killed_by_its_timeout_leaves_no_upload_behind(service):
     conn = redis.Redis.from_url(service.redis_url)
-    settings = load_settings({"redis_url": service.redis_url})
+    settings = load_settings({"redis_url": service.redis_url, "models_dir": service.env["MLXQ_MODELS_DIR"]})
     job_id = queues.new_job_id("transcr")
     spooled = settings.spool_dir / job_id
     spooled.mkdir(parents=True)
     audio = shutil.copy(build(1), spooled / "minute.wav")  # takes the worker well over a second
-    payload = {"job_id": job_id, "model": "whisper-tiny.en", "audio_path": str(audio), "filename": "minute.wav",
-               "mode": "sync"}
-    queues.enqueue(conn, settings, queues.INTERACTIVE, queues.TRANSCRIPTION, payload, job_id, timeout_s=1)
+    info = resolve("whisper-tiny.en", settings)
+    model = contract.ModelRef(info.id, str(info.path), info.kind, info.context_length, info.vocab_size)
+    request = contract.TranscriptionRequest(job_id, model, str(audio), "minute.wav")
+    queues.enqueue(conn, settings, queues.INTERACTIVE, queues.TRANSCRIPTION, contract.to_payload(request), job_id,
+                   timeout_s=1)
     terminal = _terminal(conn, job_id, timeout=60)
     assert terminal["type"] == "error" and terminal["data"]["code"] == "job_timeout"
     assert not spooled.exists()

@@ -1,13 +1,11 @@
-"""Publishing without waiting: a delta sent now, its reply (last id, cancel flag) read later, on a real Redis."""
+"""The publish script on a real Redis: ids in order, one terminal event, the cancel flag, safe resends."""
 
 from __future__ import annotations
 
 import pytest
-import redis
 
 from jobs import keys
-from jobs.events import DELTA, DONE, EventPublisher, read_log
-from tests.conftest import wait_until
+from jobs.events import _PUBLISH_LUA, DELTA, DONE, ERROR, EventPublisher, has_ended, read_log
 
 
 @pytest.fixture()
@@ -16,38 +14,30 @@ def publisher(redis_conn):
     return EventPublisher(redis_conn, ttl_s=60, log_max=100)
 
 
-def test_a_sent_publish_takes_effect_before_its_reply_is_read(redis_conn, publisher):
-    sent = publisher.send_many("job-sent", [(DELTA, {"text": "Par"})])
-    assert sent.pending
-    logged = wait_until(lambda: read_log(redis_conn, "job-sent"), 5, what="the sent delta in the log")
-    assert [(e["id"], e["type"], e["data"]) for e in logged] == [(1, DELTA, {"text": "Par"})]
-    assert sent.pending, "the sender must not have waited for the reply"
-    assert sent.result() == (1, False) and not sent.pending
-    assert sent.result() == (1, False)  # idempotent
-    assert publisher.publish_many("job-sent", [(DONE, {"text": "Paris"})]) == (2, False)
+def test_events_get_consecutive_ids_and_the_log_keeps_their_order(redis_conn, publisher):
+    assert publisher.publish_many("job-a", [(DELTA, {"text": "Pa"}), (DELTA, {"text": "ris"})]) == (2, False)
+    assert publisher.publish("job-a", DONE, {"text": "Paris"}) == 3
+    assert [(e["id"], e["type"]) for e in read_log(redis_conn, "job-a")] == [(1, DELTA), (2, DELTA), (3, DONE)]
+    assert has_ended(redis_conn, "job-a")
+
+
+def test_nothing_follows_the_terminal_event(redis_conn, publisher):
+    publisher.publish("job-b", ERROR, {"message": "gone", "code": "worker_died", "status": 500})
+    assert publisher.publish("job-b", DONE, {}) == 0  # a late `done` is dropped
+    assert [e["type"] for e in read_log(redis_conn, "job-b")] == [ERROR]
 
 
 def test_the_reply_reports_a_cancel(redis_conn, publisher):
-    redis_conn.set(keys.cancel_flag("job-canceled"), 1)
-    assert publisher.send_many("job-canceled", [(DELTA, {"text": "x"})]).result() == (1, True)
+    redis_conn.set(keys.cancel_flag("job-c"), 1)
+    assert publisher.publish_many("job-c", [(DELTA, {"text": "x"})]) == (1, True)
 
 
-def test_replies_read_or_discarded_give_their_connection_back(redis_conn, publisher):
-    publisher.publish("warm-up", DELTA, {})  # the pool's first connection exists
-    before = len(redis_conn.client_list())
-    for n in range(20):
-        sent = publisher.send_many(f"job-many-{n}", [(DELTA, {"text": str(n)})])
-        if n % 2:
-            sent.discard()  # leaving on an error: no reply read, the connection dropped
-        else:
-            assert sent.result() == (1, False)
-    assert len(redis_conn.client_list()) <= before + 1
-    wait_until(lambda: all(read_log(redis_conn, f"job-many-{n}") for n in range(20)), 5,
-               what="every delta in its log")
-
-
-def test_a_lost_reply_raises_instead_of_hanging(redis_conn, publisher):
-    sent = publisher.send_many("job-lost", [(DELTA, {"text": "x"})])
-    sent.discard()
-    with pytest.raises(redis.ConnectionError, match="lost"):
-        sent.result()
+def test_a_resent_publish_is_applied_once(redis_conn, publisher):
+    # What a worker's retried command does after the connection dropped with the reply in flight.
+    args = [60, 100, "token-1", DELTA, '{"text":"x"}']
+    job_keys = [keys.event_seq("job-d"), keys.event_log("job-d"), keys.event_channel("job-d"),
+                keys.cancel_flag("job-d")]
+    assert redis_conn.eval(_PUBLISH_LUA, 4, *job_keys, *args) == [1, 0]
+    assert redis_conn.eval(_PUBLISH_LUA, 4, *job_keys, *args) == [1, 0]
+    assert len(read_log(redis_conn, "job-d")) == 1
+    assert publisher.publish("job-d", DELTA, {"text": "y"}) == 2  # a new publish goes on as usual

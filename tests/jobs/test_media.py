@@ -4,26 +4,15 @@ from __future__ import annotations
 
 import wave
 
-import av
 import numpy as np
 import pytest
 
 from jobs.media import MediaError, probe
+from tests.audio_files import encode
 from tests.conftest import REPO
 
 SPEECH = REPO / "tests" / "fixtures" / "speech"
 GARDEN = SPEECH / "garden.wav"
-
-
-def _encode(dst, container: str, codec: str) -> None:
-    """garden.wav re-encoded with PyAV (as clients upload it)."""
-    with av.open(str(GARDEN)) as source, av.open(str(dst), "w", format=container) as out:
-        stream = out.add_stream(codec, rate=16000 if codec != "libopus" else 48000)
-        resampler = av.AudioResampler(format=stream.format.name, layout="mono", rate=stream.rate)
-        for frame in [*source.decode(audio=0), None]:
-            for converted in resampler.resample(frame):
-                out.mux(stream.encode(converted))
-        out.mux(stream.encode(None))
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +22,7 @@ def encoded(tmp_path_factory):
     files = {}
     for ext, container, codec in [("ogg", "ogg", "libopus"), ("mp3", "mp3", "libmp3lame"), ("flac", "flac", "flac")]:
         whole = folder / f"garden.{ext}"
-        _encode(whole, container, codec)
+        encode(GARDEN, whole, container, codec, 48000 if codec == "libopus" else 16000, layout="mono")
         half = folder / f"half.{ext}"
         data = whole.read_bytes()
         half.write_bytes(data[: len(data) // 2])

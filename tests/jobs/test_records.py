@@ -118,12 +118,12 @@ def test_bad_cursor(redis_conn):
 def test_queue_position(redis_conn, settings):
     for job_id in ("job-a", "job-b", "job-c"):
         records.create(redis_conn, settings, job_id, "transcription", FIELDS)
-        enqueue(redis_conn, settings, BATCH, "workers.speech_tasks.transcribe", {"job_id": job_id}, job_id)
-    enqueue(redis_conn, settings, INTERACTIVE, "workers.tasks.chat_completion", {}, "chat-1")
+        enqueue(redis_conn, settings, BATCH, "transcription", {"job_id": job_id}, job_id)
+    enqueue(redis_conn, settings, INTERACTIVE, "chat_completion", {}, "chat-1")
     assert [records.queue_position(redis_conn, j) for j in ("job-a", "job-b", "job-c")] == [0, 1, 2]
     # A continuation at the front of batch carries the record's place.
     records.update(redis_conn, "job-c", rq_job_id="job-c_1")
-    enqueue(redis_conn, settings, BATCH, "workers.speech_tasks.transcribe", {"job_id": "job-c"}, "job-c_1",
+    enqueue(redis_conn, settings, BATCH, "transcription", {"job_id": "job-c"}, "job-c_1",
             at_front=True)
     assert records.queue_position(redis_conn, "job-c") == 0
     assert records.queue_position(redis_conn, "job-a") == 1

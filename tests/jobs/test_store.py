@@ -127,13 +127,12 @@ def test_a_directory_path_resolves_with_kind_and_context_from_config(store_setti
     assert (info.kind, info.context_length, info.path) == ("vision", 32768, vlm)
 
 
-def test_a_resolution_is_remembered_until_something_it_read_changes(store_settings, tmp_path):
+def test_a_resolution_follows_every_change_to_what_it_read(store_settings, tmp_path):
     models_dir = store_settings.models_dir
     write_store_entry(models_dir, "smollm", LLAMA_CONFIG)
     other = write_store_entry(models_dir, "other-model", LLAMA_CONFIG)
     (models_dir / "aliases.json").write_text(json.dumps({"chat": "smollm"}))
-    first = resolve("chat", store_settings)
-    assert resolve("chat", store_settings) is first  # remembered, not resolved again
+    assert resolve("chat", store_settings).path == models_dir / "smollm"
     (models_dir / "aliases.json").write_text(json.dumps({"chat": "other-model"}))  # another size
     assert resolve("chat", store_settings).path == other
     (other / "mlxq.json").write_text(json.dumps({"kind": "speech", "source": "dir:elsewhere"}))

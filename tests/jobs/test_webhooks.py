@@ -13,7 +13,6 @@ from rq import SimpleWorker
 from rq.serializers import JSONSerializer
 
 from jobs import queues, records
-from jobs.events import EventPublisher
 from jobs.webhooks import (
     RETRY_INTERVALS_S,
     SIGNATURE_HEADER,
@@ -23,7 +22,6 @@ from jobs.webhooks import (
     delivery_id,
     enqueue_delivery,
     is_public,
-    settle,
     sign,
     verify,
 )
@@ -171,15 +169,3 @@ def test_delivery_rechecks_the_destination(redis_conn, settings, monkeypatch, re
     assert receiver.hits == []
 
 
-def test_settle_records_a_chat_outcome_from_its_events(redis_conn, hook_settings, receiver):
-    job_id = queues.new_job_id("job")
-    records.create(redis_conn, hook_settings, job_id, "chat", {"model": "m", "webhook_url": receiver.url})
-    assert not settle(redis_conn, hook_settings, job_id)  # nothing happened yet
-    done = {"model": "m", "choices": [{"index": 0, "text": "Paris", "finish_reason": "stop"}], "usage": {}}
-    EventPublisher(redis_conn, 60, 100).publish(job_id, "done", done)
-    assert settle(redis_conn, hook_settings, job_id)
-    assert records.get(redis_conn, job_id)["status"] == "succeeded"
-    assert records.get_result(redis_conn, job_id) == done
-    assert not settle(redis_conn, hook_settings, job_id)
-    _work(redis_conn)
-    assert len(receiver.hits) == 1

@@ -8,6 +8,7 @@ import av
 import numpy as np
 import pytest
 
+from tests.audio_files import encode
 from tests.conftest import REPO
 from workers.audio import SAMPLE_RATE, AudioError, AudioReader, iter_samples, iter_windows, probe
 
@@ -20,20 +21,6 @@ def _decode(path, start_s: float = 0.0) -> np.ndarray:
     return np.concatenate(list(iter_samples(path, start_s)))
 
 
-def _encode(src, dst, container: str, codec: str, rate: int) -> None:
-    """Re-encode a fixture with PyAV (stereo, another sample rate): what clients really upload."""
-    with av.open(str(dst), "w", format=container) as out:
-        stream = out.add_stream(codec, rate=rate)
-        stream.layout = "stereo"
-        resampler = av.AudioResampler(format=stream.format.name, layout="stereo", rate=rate)
-        with av.open(str(src)) as source:
-            frames = [*source.decode(audio=0), None]
-        for frame in frames:
-            for converted in resampler.resample(frame):
-                out.mux(stream.encode(converted))
-        out.mux(stream.encode(None))
-
-
 @pytest.fixture(scope="module")
 def encoded(tmp_path_factory):
     """garden.wav as MP3, AAC in M4A, FLAC and Opus in WebM."""
@@ -42,7 +29,7 @@ def encoded(tmp_path_factory):
     for name, container, codec, rate in [("mp3", "mp3", "libmp3lame", 44100), ("m4a", "mp4", "aac", 44100),
                                          ("flac", "flac", "flac", 48000), ("webm", "webm", "libopus", 48000)]:
         files[name] = folder / f"garden.{name}"
-        _encode(GARDEN, files[name], container, codec, rate)
+        encode(GARDEN, files[name], container, codec, rate)
     return files
 
 

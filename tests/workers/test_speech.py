@@ -1,4 +1,4 @@
-"""Chunked Whisper transcription and the transcription job, with the real tiny.en model, Redis and RQ.
+"""Chunked Whisper transcription and transcription jobs, with the real tiny.en model, Redis, RQ and scheduler.
 
 Audio comes from the speech fixtures; longer files are concatenations made by bench/make_long_audio.py.
 """
@@ -8,39 +8,41 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import threading
 import time
+import uuid
 import wave
 
 import jiwer
 import mlx.core as mx
 import pytest
-from rq import SimpleWorker
 from rq.executions import Execution
 from rq.job import JobStatus
-from rq.serializers import JSONSerializer
 
 from bench.make_long_audio import build, script_for
-from jobs import keys, records
+from jobs import contract, keys, records
 from jobs.events import read_log
-from jobs.queues import BATCH, INTERACTIVE, TRANSCRIPTION, WEBHOOKS, get_queue
+from jobs.queues import (
+    BATCH,
+    CHAT_COMPLETION,
+    INTERACTIVE,
+    TRANSCRIPTION,
+    WEBHOOKS,
+    enqueue,
+    fetch_job,
+    get_queue,
+)
 from jobs.settings import load_settings
-from jobs.status import fetch_job
 from jobs.store import ModelNotFound, resolve
 from jobs.webhooks import delivery_id
-from tests.conftest import REPO, wait_until
-from workers import speech, tasks
-from workers.engine import Runtime, default_loaders
-from workers.recovery import MAX_ATTEMPTS, clean_spool, recover_batch_jobs
+from tests.conftest import REPO
+from workers.backends import whisper
+from workers.main import build_scheduler
+from workers.recovery import MAX_ATTEMPTS, clean_spool, recover
+from workers.scheduler import Scheduler
 
 SPEECH = REPO / "tests" / "fixtures" / "speech"
 MODEL = "whisper-tiny.en"
 DEAD_WORKER = "mlxq-test-dead-worker"
-
-
-def interactive_probe(payload: dict) -> dict:
-    """An interactive job (run by the burst worker by name): stands for a chat call."""
-    return {"ok": True}
 
 
 def normalized(text: str) -> str:
@@ -54,23 +56,26 @@ def wer(reference: str, hypothesis: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def runtime(redis_url, models_dir):
-    """The worker's runtime (registry + engine) with the speech backend, installed for jobs."""
-    runtime = Runtime.create(load_settings({"redis_url": redis_url, "models_dir": models_dir}),
-                             loaders={**default_loaders(), "speech": speech.load})
-    tasks.set_runtime(runtime)
-    yield runtime
-    tasks.set_runtime(None)
+def worker_parts(models_dir):
+    """One model manager and set of backends for the module (models stay loaded)."""
+    scheduler = build_scheduler(load_settings({"models_dir": models_dir}), "test-speech")
+    return scheduler.models, scheduler.backends
 
 
 @pytest.fixture(scope="module")
-def whisper(runtime):
-    """The resident Whisper tiny.en model (from the store: `mlxq models pull-demo`)."""
+def ref(models_dir) -> contract.ModelRef:
+    """Whisper tiny.en as a request carries it (from the store: `mlxq models pull-demo`)."""
     try:
-        info = resolve(MODEL, runtime.settings)
+        info = resolve(MODEL, load_settings({"models_dir": models_dir}))
     except ModelNotFound as exc:
         pytest.fail(f"{exc}\nImport the demo models first: mlxq models pull-demo")
-    return runtime.warm(info).model
+    return contract.ModelRef(info.id, str(info.path), info.kind, info.context_length, info.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def model(worker_parts, ref):
+    """The resident Whisper model."""
+    return worker_parts[0].load(ref).model
 
 
 @pytest.fixture(scope="module")
@@ -80,15 +85,14 @@ def half_minute():
 
 
 @pytest.fixture(scope="module")
-def half_minute_text(runtime, whisper, half_minute):
+def half_minute_text(model, half_minute):
     """The uninterrupted chunked transcript of `half_minute` (what every job run must reproduce)."""
-    chunks = run_chunks(runtime, whisper, half_minute)
-    return "".join(seg["text"] for chunk in chunks for seg in chunk.segments).strip()
+    return "".join(seg["text"] for chunk in run_chunks(model, half_minute) for seg in chunk.segments).strip()
 
 
-def run_chunks(runtime, whisper, path) -> list[speech.ChunkResult]:
-    """Transcribe a whole file with default options on the engine thread, uninterrupted."""
-    return runtime.engine.call(lambda: list(speech.transcribe_chunks(whisper, path, speech.Options())))
+def run_chunks(model, path, options: whisper.Options | None = None) -> list[whisper.ChunkResult]:
+    """Transcribe a whole file window by window, uninterrupted."""
+    return list(whisper.transcribe_chunks(model, path, options or whisper.Options()))
 
 
 def assert_timeline(segments: list[dict]) -> None:
@@ -101,15 +105,15 @@ def assert_timeline(segments: list[dict]) -> None:
 
 
 @pytest.mark.timeout(900)  # two minutes of audio decoded; ~1 min with OpenBLAS, far longer with MLX's own BLAS
-def test_chunked_transcript_matches_one_pass(runtime, whisper):
+def test_chunked_transcript_matches_one_pass(model):
     path = build(1)
     started = time.monotonic()
-    chunks = run_chunks(runtime, whisper, path)
+    chunks = run_chunks(model, path)
     chunked_s = time.monotonic() - started
     segments = [seg for chunk in chunks for seg in chunk.segments]
     chunked = "".join(seg["text"] for seg in segments)
     started = time.monotonic()
-    one_pass = runtime.engine.call(lambda: whisper.generate(str(path), fp16=whisper.dtype == mx.float16)).text
+    one_pass = model.generate(str(path), fp16=model.dtype == mx.float16).text
     one_pass_s = time.monotonic() - started
     vs_one_pass, vs_script = wer(one_pass, chunked), wer(script_for(path), chunked)
     print(f"\n1-minute file: {len(chunks)} chunks in {chunked_s:.1f}s (one pass {one_pass_s:.1f}s); "
@@ -133,46 +137,34 @@ def clip(source, target, seconds: float):
     return target
 
 
-def spool(settings, job_id: str, source) -> str:
-    """Copy audio into the spool as the web tier does: <spool_dir>/<job_id>/<name>."""
+def request_for(settings, ref, job_id: str, source, is_async: bool = True, **extra) -> contract.TranscriptionRequest:
+    """The request the web tier builds for an upload of `source` (copied into the spool as it does)."""
     folder = settings.spool_dir / job_id
     folder.mkdir(parents=True)
-    return str(shutil.copy(source, folder / os.path.basename(source)))
+    path = shutil.copy(source, folder / os.path.basename(source))
+    return contract.TranscriptionRequest(job_id, extra.pop("model", ref), str(path), os.path.basename(source),
+                                         is_async=is_async, request_id=f"req-{job_id}", **extra)
 
 
-def payload(settings, job_id: str, source, mode: str = "async", **extra) -> dict:
-    """The worker payload the web tier builds for an upload of `source`."""
-    return {"job_id": job_id, "model": MODEL, "audio_path": spool(settings, job_id, source),
-            "filename": os.path.basename(source), "language": None, "prompt": None, "temperature": 0.0,
-            "word_timestamps": False, "mode": mode, "request_id": f"req-{job_id}", **extra}
-
-
-def submit(conn, settings, job_id: str, source, webhook_url: str | None = None, **extra) -> dict:
+def submit(conn, settings, ref, job_id: str, source, webhook_url: str | None = None, **extra):
     """Create the record and enqueue an async transcription on `batch`, as POST /v1/jobs does."""
-    body = payload(settings, job_id, source, **extra)
+    request = request_for(settings, ref, job_id, source, **extra)
     records.create(conn, settings, job_id, "transcription",
-                   {"model": MODEL, "filename": body["filename"], "webhook_url": webhook_url,
+                   {"model": MODEL, "filename": request.filename, "webhook_url": webhook_url,
                     "params": {"response_format": "json"}})
-    get_queue(BATCH, conn).enqueue(TRANSCRIPTION, body, job_id=job_id, job_timeout=600)
-    return body
+    enqueue(conn, settings, BATCH, TRANSCRIPTION, contract.to_payload(request), job_id, timeout_s=600)
+    return request
 
 
-def work(conn, queues=(INTERACTIVE, BATCH), **options) -> None:
-    """Drain the queues with a real SimpleWorker in burst mode."""
-    worker = SimpleWorker([get_queue(q, conn) for q in queues], connection=conn, serializer=JSONSerializer)
-    worker.work(burst=True, **options)
+def scheduler(conn, settings, worker_parts, name: str | None = None) -> Scheduler:
+    """A burst-mode scheduler on the test Redis with the module's models."""
+    models, backends = worker_parts
+    return Scheduler(conn, settings, models, backends, name or f"test-{uuid.uuid4().hex[:6]}", burst=True)
 
 
-def when_running(conn, job_id: str, action) -> threading.Thread:
-    """Do `action()` as soon as the job's record says running (from another thread)."""
-    def watch():
-        """Poll the record, then act."""
-        wait_until(lambda: (records.get(conn, job_id) or {}).get("status") == "running", 120, 0.005,
-                   what=f"{job_id} to run")
-        action()
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread
+def work(conn, settings, worker_parts) -> None:
+    """Drain the queues with the worker's scheduler in burst mode."""
+    scheduler(conn, settings, worker_parts).run()
 
 
 def events(conn, job_id: str, kind: str | None = None) -> list[dict]:
@@ -193,16 +185,15 @@ def assert_succeeded(conn, job_id: str) -> dict:
     record = records.get(conn, job_id)
     assert record["status"] == "succeeded" and record["progress"]["percent"] == 100.0
     assert records.get_result(conn, job_id) == result
-    assert not conn.exists(records.checkpoint_key(job_id))
+    assert not conn.exists(keys.checkpoint_key(job_id))
     return result
 
 
-def test_sync_job_with_word_timestamps(redis_conn, settings, runtime, whisper):
-    job_id = "sync-weather"
-    body = payload(settings, job_id, SPEECH / "weather.ogg", mode="sync", word_timestamps=True)
-    get_queue(INTERACTIVE, redis_conn).enqueue(TRANSCRIPTION, body, job_id=job_id)
-    work(redis_conn)
-    log = events(redis_conn, job_id)
+def test_sync_job_with_word_timestamps(redis_conn, settings, ref, worker_parts):
+    request = request_for(settings, ref, "sync-weather", SPEECH / "weather.ogg", is_async=False, word_timestamps=True)
+    enqueue(redis_conn, settings, INTERACTIVE, TRANSCRIPTION, contract.to_payload(request), request.id)
+    work(redis_conn, settings, worker_parts)
+    log = events(redis_conn, request.id)
     assert log[-1]["type"] == "done"
     result = log[-1]["data"]["result"]
     assert result["task"] == "transcribe" and result["language"] == "english"
@@ -216,25 +207,32 @@ def test_sync_job_with_word_timestamps(redis_conn, settings, runtime, whisper):
     for event in segment_events:
         seg = event["segment"]
         assert all(seg["start"] - 0.5 <= w["start"] <= w["end"] <= seg["end"] + 0.5 for w in event["words"])
-    assert records.get(redis_conn, job_id) is None  # sync calls have no job record
-    assert fetch_job(redis_conn, job_id).get_status() == JobStatus.FINISHED
+    assert records.get(redis_conn, request.id) is None  # sync calls have no job record
+    assert fetch_job(redis_conn, request.id).get_status() == JobStatus.FINISHED
+    assert not (settings.spool_dir / request.id).exists()  # the upload went with the job
 
 
-def test_async_job_yields_to_interactive_work(redis_conn, settings, runtime, whisper, half_minute,
-                                              half_minute_text, tmp_path):
+def _chat(settings, job_id: str) -> dict:
+    """A one-token chat request: what stands for interactive work here."""
+    info = resolve("smollm2-135m", settings)
+    ref = contract.ModelRef(info.id, str(info.path), info.kind, info.context_length, info.vocab_size)
+    return contract.to_payload(contract.TextRequest(job_id, ref, contract.Sampling(max_tokens=1),
+                                                    messages=[{"role": "user", "content": "Hi"}]))
+
+
+def test_a_long_job_lets_interactive_work_go_first_and_then_carries_on(redis_conn, settings, ref, worker_parts,
+                                                                         half_minute, half_minute_text, tmp_path):
     short = clip(SPEECH / "garden.wav", tmp_path / "short.wav", 3.0)
-    submit(redis_conn, settings, "job-long", half_minute, webhook_url="http://127.0.0.1:9/hook")
-    submit(redis_conn, settings, "job-next", short)
-    probe = get_queue(INTERACTIVE, redis_conn)
-    watcher = when_running(redis_conn, "job-long", lambda: probe.enqueue(f"{__name__}.interactive_probe", {},
-                                                                         job_id="chat-probe"))
-    work(redis_conn)
-    watcher.join(5)
-    first, continuation = fetch_job(redis_conn, "job-long"), fetch_job(redis_conn, "job-long_1")
-    chat, following = fetch_job(redis_conn, "chat-probe"), fetch_job(redis_conn, "job-next")
-    assert first.return_value()["status"] == "yielded" and continuation is not None
-    assert first.ended_at <= chat.started_at <= chat.ended_at <= continuation.started_at  # chat went first
-    assert continuation.ended_at <= following.started_at  # and the yielded job kept its place in batch
+    submit(redis_conn, settings, ref, "job-long", half_minute, webhook_url="http://127.0.0.1:9/hook")
+    submit(redis_conn, settings, ref, "job-next", short)
+    run = scheduler(redis_conn, settings, worker_parts)
+    assert run.step()  # job-long starts and decodes its first window
+    assert events(redis_conn, "job-long", "segment") and records.get(redis_conn, "job-long")["status"] == "running"
+    enqueue(redis_conn, settings, INTERACTIVE, CHAT_COMPLETION, _chat(settings, "chat-probe"), "chat-probe")
+    run.run()
+    first, chat, following = (fetch_job(redis_conn, j) for j in ("job-long", "chat-probe", "job-next"))
+    assert first.started_at <= chat.started_at <= chat.ended_at <= first.ended_at  # chat went between two windows
+    assert first.ended_at <= following.started_at  # and the long job kept its place in batch
     result = assert_succeeded(redis_conn, "job-long")
     assert result["text"] == half_minute_text
     assert records.get(redis_conn, "job-long")["attempts"] == 1
@@ -242,18 +240,35 @@ def test_async_job_yields_to_interactive_work(redis_conn, settings, runtime, whi
     assert_succeeded(redis_conn, "job-next")
 
 
-def test_cancel_flag_cancels_the_job(redis_conn, settings, runtime, whisper, half_minute):
-    submit(redis_conn, settings, "job-cancel", half_minute)
-    watcher = when_running(redis_conn, "job-cancel",
-                           lambda: redis_conn.set(keys.cancel_flag("job-cancel"), 1, ex=60))
-    work(redis_conn)
-    watcher.join(5)
+def test_cancel_flag_cancels_the_job(redis_conn, settings, ref, worker_parts, half_minute):
+    submit(redis_conn, settings, ref, "job-cancel", half_minute)
+    run = scheduler(redis_conn, settings, worker_parts)
+    run.step()
+    redis_conn.set(keys.cancel_flag("job-cancel"), 1, ex=60)
+    run.run()
     log = events(redis_conn, "job-cancel")
     assert log[-1]["type"] == "error" and "done" not in [e["type"] for e in log]
     assert log[-1]["data"]["code"] == "canceled" and log[-1]["data"]["status"] == 499
     record = records.get(redis_conn, "job-cancel")
     assert record["status"] == "canceled" and record["error"]["code"] == "canceled"
     assert fetch_job(redis_conn, "job-cancel").get_status() == JobStatus.FAILED
+    assert not (settings.spool_dir / "job-cancel").exists()
+
+
+def test_resume_from_checkpoint_after_worker_death(redis_conn, settings, ref, worker_parts, half_minute,
+                                                   half_minute_text):
+    submit(redis_conn, settings, ref, "job-crash", half_minute)
+    scheduler(redis_conn, settings, worker_parts, name=DEAD_WORKER).step()  # one window, then its worker "dies"
+    assert redis_conn.hexists(keys.checkpoint_key("job-crash"), "state")
+    assert events(redis_conn, "job-crash", "segment")
+    assert recover(redis_conn, settings, own_name="a-live-worker") == ["job-crash"]
+    assert get_queue(BATCH, redis_conn).job_ids == ["job-crash_1"]
+    assert fetch_job(redis_conn, "job-crash").get_status() == JobStatus.FAILED
+    record = records.load(redis_conn, "job-crash")
+    assert record["attempts"] == 2 and record["rq_job_id"] == "job-crash_1"
+    work(redis_conn, settings, worker_parts)
+    result = assert_succeeded(redis_conn, "job-crash")
+    assert result["text"] == half_minute_text
 
 
 def leave_started_by_dead_worker(conn, rq_id: str) -> None:
@@ -266,34 +281,15 @@ def leave_started_by_dead_worker(conn, rq_id: str) -> None:
         pipe.execute()
 
 
-def test_resume_from_checkpoint_after_worker_death(redis_conn, settings, runtime, whisper, half_minute,
-                                                   half_minute_text):
-    submit(redis_conn, settings, "job-crash", half_minute)
-    get_queue(INTERACTIVE, redis_conn).enqueue(f"{__name__}.interactive_probe", {}, job_id="chat-waiting")
-    work(redis_conn, queues=(BATCH,), max_jobs=1)  # one chunk, then it yields (a chat is waiting)
-    assert redis_conn.hexists(records.checkpoint_key("job-crash"), "state")
-    published = len(events(redis_conn, "job-crash", "segment"))
-    assert published > 0
-    leave_started_by_dead_worker(redis_conn, "job-crash_1")  # its worker died in the next chunk
-    assert recover_batch_jobs(redis_conn, settings) == ["job-crash"]
-    assert get_queue(BATCH, redis_conn).job_ids == ["job-crash_2"]
-    assert fetch_job(redis_conn, "job-crash_1").get_status() == JobStatus.FAILED
-    record = records.load(redis_conn, "job-crash")
-    assert record["attempts"] == 2 and record["rq_job_id"] == "job-crash_2"
-    work(redis_conn)
-    result = assert_succeeded(redis_conn, "job-crash")
-    assert result["text"] == half_minute_text
-
-
-def test_recovery_gives_up_after_max_attempts(redis_conn, settings):
-    body = {"job_id": "job-doomed", "model": MODEL, "audio_path": "/nonexistent.wav", "mode": "async",
-            "resume": True}
+def test_recovery_gives_up_after_max_attempts(redis_conn, settings, ref):
+    request = contract.TranscriptionRequest("job-doomed", ref, "/nonexistent.wav", is_async=True, resume=True,
+                                            attempts=MAX_ATTEMPTS)
     records.create(redis_conn, settings, "job-doomed", "transcription",
                    {"model": MODEL, "webhook_url": "http://127.0.0.1:9/hook"})
     records.update(redis_conn, "job-doomed", attempts=MAX_ATTEMPTS, rq_job_id="job-doomed_4")
-    get_queue(BATCH, redis_conn).enqueue(TRANSCRIPTION, body, job_id="job-doomed_4")
+    enqueue(redis_conn, settings, BATCH, TRANSCRIPTION, contract.to_payload(request), "job-doomed_4")
     leave_started_by_dead_worker(redis_conn, "job-doomed_4")
-    assert recover_batch_jobs(redis_conn, settings) == ["job-doomed"]
+    assert recover(redis_conn, settings, own_name="a-live-worker") == ["job-doomed"]
     error = events(redis_conn, "job-doomed")[-1]
     assert error["type"] == "error"
     assert error["data"] == {"message": f"the job crashed the worker {MAX_ATTEMPTS} times",
@@ -305,27 +301,28 @@ def test_recovery_gives_up_after_max_attempts(redis_conn, settings):
 
 
 def test_recovery_leaves_live_workers_alone(redis_conn, settings):
-    get_queue(BATCH, redis_conn).enqueue(TRANSCRIPTION, {"job_id": "job-fine"}, job_id="job-fine")
+    enqueue(redis_conn, settings, BATCH, TRANSCRIPTION, {"id": "job-fine"}, "job-fine")
     leave_started_by_dead_worker(redis_conn, "job-fine")
     redis_conn.set(keys.worker_alive(DEAD_WORKER), "{}", ex=60)  # ...which is alive after all
-    assert recover_batch_jobs(redis_conn, settings) == []
+    assert recover(redis_conn, settings, own_name="a-live-worker") == []
     assert fetch_job(redis_conn, "job-fine").get_status() == JobStatus.STARTED
 
 
-def test_undecodable_audio_fails_with_400(redis_conn, settings, runtime, tmp_path):
+def test_a_file_that_is_not_audio_fails_with_415(redis_conn, settings, ref, worker_parts, tmp_path):
     fake = tmp_path / "notes.wav"
     fake.write_text("not audio at all\n" * 100)
-    submit(redis_conn, settings, "job-bad", fake)
-    work(redis_conn)
+    submit(redis_conn, settings, ref, "job-bad", fake)
+    work(redis_conn, settings, worker_parts)
     error = events(redis_conn, "job-bad")[-1]
-    assert error["type"] == "error" and error["data"]["code"] == "invalid_audio"
-    assert error["data"]["status"] == 400 and error["data"]["message"].startswith("not an audio file")
-    assert records.get(redis_conn, "job-bad")["error"]["code"] == "invalid_audio"
+    assert error["type"] == "error" and error["data"]["code"] == "unsupported_media_type"
+    assert error["data"]["status"] == 415 and error["data"]["message"].startswith("not an audio file")
+    assert records.get(redis_conn, "job-bad")["error"]["code"] == "unsupported_media_type"
 
 
-def test_unknown_model_fails_with_404(redis_conn, settings, runtime):
-    submit(redis_conn, settings, "job-nomodel", SPEECH / "garden.wav", model="no-such-whisper")
-    work(redis_conn)
+def test_a_model_gone_from_the_store_fails_with_404(redis_conn, settings, ref, worker_parts):
+    gone = contract.ModelRef("no-such-whisper", str(settings.models_dir / "no-such-whisper"), "speech")
+    submit(redis_conn, settings, ref, "job-nomodel", SPEECH / "garden.wav", model=gone)
+    work(redis_conn, settings, worker_parts)
     error = events(redis_conn, "job-nomodel")[-1]
     assert error["type"] == "error" and error["data"]["code"] == "model_not_found"
     assert error["data"]["status"] == 404
@@ -354,12 +351,24 @@ def test_clean_spool(redis_conn, settings):
     assert sorted(p.name for p in settings.spool_dir.iterdir()) == ["job-recent", "job-running", "sync-fresh"]
 
 
-def test_decoding_stops_at_the_duration_limit_whatever_the_header_said(runtime, whisper):
+def test_decoding_stops_at_the_duration_limit_whatever_the_header_said(model):
     # The probe at upload checks the declared length; a file running past it is cut off while decoding.
-    options = speech.Options(max_duration_s=10)
-    with pytest.raises(speech.AudioError) as refused:
-        runtime.engine.call(lambda: list(speech.transcribe_chunks(whisper, SPEECH / "garden.wav", options)))
+    with pytest.raises(whisper.AudioError) as refused:
+        run_chunks(model, SPEECH / "garden.wav", whisper.Options(max_duration_s=10))
     assert refused.value.reason == "too_long" and "past 10 s" in str(refused.value)
-    chunks = runtime.engine.call(lambda: list(speech.transcribe_chunks(
-        whisper, SPEECH / "garden.wav", speech.Options(max_duration_s=15))))  # 14.96 s: within the limit
+    chunks = run_chunks(model, SPEECH / "garden.wav", whisper.Options(max_duration_s=15))  # 14.96 s: within it
     assert chunks[-1].finished
+
+
+def test_a_warm_stop_hands_a_long_job_back_to_the_queue(redis_conn, settings, ref, worker_parts, half_minute,
+                                                        half_minute_text):
+    submit(redis_conn, settings, ref, "job-handed", half_minute)
+    first = scheduler(redis_conn, settings, worker_parts)
+    first.step()
+    first.stop()  # SIGTERM: the window in progress was the last one this worker decodes
+    first.run()
+    assert get_queue(BATCH, redis_conn).job_ids == ["job-handed_1"]
+    assert fetch_job(redis_conn, "job-handed").return_value() == {"handed_back_to": "job-handed_1"}
+    assert records.get(redis_conn, "job-handed")["status"] == "running"
+    work(redis_conn, settings, worker_parts)  # the next worker carries on from the checkpoint
+    assert assert_succeeded(redis_conn, "job-handed")["text"] == half_minute_text

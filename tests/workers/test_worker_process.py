@@ -1,8 +1,7 @@
-"""The worker: its job functions under its real RQ worker class, and the real `python -m workers.main` process."""
+"""The worker: requests run by its scheduler in this process, and the real `python -m workers.main` process."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -13,18 +12,25 @@ import uuid
 
 import pytest
 from rq.job import JobStatus
-from rq.serializers import JSONSerializer
 
-from jobs import keys
+from jobs import contract, keys
 from jobs.events import read_log
-from jobs.queues import BATCH, CHAT_COMPLETION, INTERACTIVE, TEXT_COMPLETION, enqueue, get_queue, new_job_id
+from jobs.queues import (
+    BATCH,
+    CHAT_COMPLETION,
+    INTERACTIVE,
+    TEXT_COMPLETION,
+    enqueue,
+    fetch_job,
+    get_queue,
+    new_job_id,
+)
 from jobs.settings import load_settings
-from jobs.status import fetch_job
+from jobs.store import resolve
 from tests.conftest import REPO, wait_until
-from workers import tasks
-from workers.engine import Runtime, Stream
-from workers.main import host_identity, worker_is_dead
-from workers.rqworker import Worker
+from workers.backends.text import TextBackend
+from workers.main import build_scheduler
+from workers.scheduler import Scheduler
 
 MODEL = "smollm2-135m"
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -32,18 +38,23 @@ LONG = [{"role": "user", "content": "Write a very long story about a dragon who 
 LOGS = REPO / ".pytest_cache" / "worker-logs"
 
 
-def chat_payload(messages, max_tokens=40, **extra) -> dict:
-    """A chat payload as the web tier enqueues it (already validated)."""
-    return {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "top_p": 1.0,
-            "top_k": 0, "min_p": 0.0, "seed": None, "stop": [], "repetition_penalty": None,
-            "request_id": uuid.uuid4().hex, **extra}
+def model_ref(settings, name: str = MODEL) -> contract.ModelRef:
+    """The catalog entry the web tier would resolve, as a request carries it."""
+    info = resolve(name, settings)
+    return contract.ModelRef(info.id, str(info.path), info.kind, info.context_length, info.vocab_size)
 
 
-def submit(conn, settings, payload, func=CHAT_COMPLETION, queue=INTERACTIVE) -> str:
-    """Enqueue a job the way the web tier does; return its id."""
-    job_id = new_job_id("chatcmpl")
-    enqueue(conn, settings, queue, func, payload, job_id)
-    return job_id
+def chat_request(settings, messages, max_tokens=40, model=None, **sampling) -> contract.TextRequest:
+    """A chat request as the web tier builds it (already validated)."""
+    return contract.TextRequest(new_job_id("chatcmpl"), model or model_ref(settings),
+                                contract.Sampling(max_tokens=max_tokens, temperature=0.0, **sampling),
+                                messages=messages)
+
+
+def submit(conn, settings, request, func=CHAT_COMPLETION, queue=INTERACTIVE, timeout_s=3600) -> str:
+    """Enqueue a request the way the web tier does; return its id."""
+    enqueue(conn, settings, queue, func, contract.to_payload(request), request.id, timeout_s=timeout_s)
+    return request.id
 
 
 def terminal(conn, job_id, timeout: float) -> dict:
@@ -66,26 +77,26 @@ def demo_model(models_dir):
     return models_dir
 
 
-# --- the job functions, in this process, under the worker's RQ class in burst mode --------------------
+# --- requests run by the scheduler in this process, in burst mode ------------------------------------
 
 @pytest.fixture(scope="module")
-def runtime(demo_model):
-    """One engine shared by the in-process job tests."""
-    rt = Runtime.create(load_settings({"models_dir": demo_model}))
-    tasks.set_runtime(rt)
-    yield rt
-    tasks.set_runtime(None)
+def worker_parts(demo_model):
+    """One model manager and set of backends shared by the in-process tests (models stay loaded)."""
+    scheduler = build_scheduler(load_settings({"models_dir": demo_model}), "test-parts")
+    return scheduler.models, scheduler.backends
 
 
-def burst(conn):
-    """Run every queued job with the worker's RQ class (a SimpleWorker), then return."""
-    queues = [get_queue(q, conn) for q in (INTERACTIVE, BATCH)]
-    Worker(queues, connection=conn, serializer=JSONSerializer).work(burst=True)
+def burst(conn, settings, worker_parts) -> Scheduler:
+    """Run every queued job with the worker's scheduler, then return it."""
+    models, backends = worker_parts
+    scheduler = Scheduler(conn, settings, models, backends, f"test-{uuid.uuid4().hex[:6]}", burst=True)
+    scheduler.run()
+    return scheduler
 
 
-def test_chat_job_publishes_deltas_then_done(runtime, redis_conn, settings):
-    job_id = submit(redis_conn, settings, chat_payload(FRANCE))
-    burst(redis_conn)
+def test_chat_job_publishes_deltas_then_done(worker_parts, redis_conn, settings):
+    job_id = submit(redis_conn, settings, chat_request(settings, FRANCE))
+    burst(redis_conn, settings, worker_parts)
     done = terminal(redis_conn, job_id, 5)
     assert done["type"] == "done", done
     data = done["data"]
@@ -99,11 +110,11 @@ def test_chat_job_publishes_deltas_then_done(runtime, redis_conn, settings):
     assert job.get_status() == JobStatus.FINISHED and job.return_value() == data
 
 
-def test_text_completion_job_gives_one_choice_per_prompt(runtime, redis_conn, settings):
-    payload = {**chat_payload(None, max_tokens=3), "prompts": ["The sky is", "One, two,"]}
-    del payload["messages"]
-    job_id = submit(redis_conn, settings, payload, func=TEXT_COMPLETION)
-    burst(redis_conn)
+def test_text_completion_job_gives_one_choice_per_prompt(worker_parts, redis_conn, settings):
+    request = contract.TextRequest(new_job_id("cmpl"), model_ref(settings), contract.Sampling(max_tokens=3),
+                                   prompts=["The sky is", "One, two,"])
+    job_id = submit(redis_conn, settings, request, func=TEXT_COMPLETION)
+    burst(redis_conn, settings, worker_parts)
     data = terminal(redis_conn, job_id, 5)["data"]
     assert [c["index"] for c in data["choices"]] == [0, 1]
     assert all(c["finish_reason"] == "length" for c in data["choices"])
@@ -114,51 +125,64 @@ def test_text_completion_job_gives_one_choice_per_prompt(runtime, redis_conn, se
 
 
 @pytest.mark.parametrize("model, messages, status, code", [
-    ("no-such-model", FRANCE, 404, "model_not_found"),
+    ("gone", FRANCE, 404, "model_not_found"),
     ("whisper-tiny.en", FRANCE, 400, "invalid_model"),
     (MODEL, [{"role": "user", "content": "word " * 9000}], 400, "context_length_exceeded"),
 ])
-def test_failing_jobs_publish_an_error_and_fail(runtime, redis_conn, settings, model, messages, status, code):
-    if model == "whisper-tiny.en" and not (settings.models_dir / model).exists():
-        pytest.fail("demo speech model missing: run `mlxq models pull-demo` first")
-    job_id = submit(redis_conn, settings, chat_payload(messages, model=model))
-    burst(redis_conn)
+def test_failing_jobs_publish_an_error_and_fail(worker_parts, redis_conn, settings, model, messages, status, code):
+    ref = (contract.ModelRef("gone", str(settings.models_dir / "gone"), "text") if model == "gone"
+           else model_ref(settings, model))
+    job_id = submit(redis_conn, settings, chat_request(settings, messages, model=ref))
+    burst(redis_conn, settings, worker_parts)
     error = terminal(redis_conn, job_id, 5)
     assert error["type"] == "error"
     assert error["data"]["status"] == status and error["data"]["code"] == code
-    assert "Traceback" not in error["data"]["message"]
+    assert "Traceback" not in error["data"]["message"] and str(settings.models_dir) not in error["data"]["message"]
     assert fetch_job(redis_conn, job_id).get_status() == JobStatus.FAILED
 
 
-def test_the_answer_goes_out_before_its_generation_is_closed(runtime, redis_conn, settings, monkeypatch):
+def test_an_unreadable_payload_fails_its_job(worker_parts, redis_conn, settings):
+    enqueue(redis_conn, settings, INTERACTIVE, CHAT_COMPLETION, {"kind": "text", "id": "x"}, "chatcmpl-bad")
+    burst(redis_conn, settings, worker_parts)
+    error = terminal(redis_conn, "x", 5)
+    assert error["data"]["code"] == "invalid_request" and error["data"]["status"] == 400
+    assert fetch_job(redis_conn, "chatcmpl-bad").get_status() == JobStatus.FAILED
+
+
+def test_the_answer_goes_out_before_its_generation_is_closed(worker_parts, redis_conn, settings, monkeypatch):
     # Closing mlx-lm's generator may wait for the token it computes ahead (Apple GPUs): not the client's wait.
-    job_id = new_job_id("chatcmpl")
+    request = chat_request(settings, FRANCE, max_tokens=1)
     events_at_close = []
-    close = Stream.close
+    generate = TextBackend._generate
 
-    def observed_close(stream):
-        events_at_close.append([e["type"] for e in read_log(redis_conn, job_id)])
-        close(stream)
+    def observed(resident, req, prompt):
+        pieces = generate(resident, req, prompt)
 
-    monkeypatch.setattr(Stream, "close", observed_close)
-    enqueue(redis_conn, settings, INTERACTIVE, CHAT_COMPLETION, chat_payload(FRANCE, max_tokens=1), job_id)
-    burst(redis_conn)
+        def watched():
+            try:
+                yield from pieces
+            finally:
+                events_at_close.append([e["type"] for e in read_log(redis_conn, request.id)])
+        return watched()
+
+    monkeypatch.setattr(TextBackend, "_generate", staticmethod(observed))
+    submit(redis_conn, settings, request)
+    burst(redis_conn, settings, worker_parts)
     assert events_at_close and events_at_close[0][-1:] == ["done"], events_at_close
 
 
-def test_canceled_job_stops_with_a_canceled_error(runtime, redis_conn, settings):
-    job_id = submit(redis_conn, settings, chat_payload(LONG, max_tokens=500))
+def test_canceled_job_stops_with_a_canceled_error(worker_parts, redis_conn, settings):
+    job_id = submit(redis_conn, settings, chat_request(settings, LONG, max_tokens=500))
     redis_conn.set(keys.cancel_flag(job_id), 1)  # canceled before the worker got to it
-    burst(redis_conn)
+    burst(redis_conn, settings, worker_parts)
     error = terminal(redis_conn, job_id, 5)
     assert (error["data"]["code"], error["data"]["status"]) == ("canceled", 499)
     assert deltas(redis_conn, job_id) == ""
 
 
-def test_a_cancel_while_generating_stops_the_job_at_the_next_delta(runtime, redis_conn, settings):
-    # Deltas go out without waiting for Redis's reply; the reply that reports the cancel is read when
-    # the next delta is due, so at most one more delta goes out after the flag is set.
-    job_id = submit(redis_conn, settings, chat_payload(LONG, max_tokens=500))
+def test_a_cancel_while_generating_stops_the_job_at_the_next_delta(worker_parts, redis_conn, settings):
+    # Each delta's publish reports a cancel: at most one more delta goes out after the flag is set.
+    job_id = submit(redis_conn, settings, chat_request(settings, LONG, max_tokens=500))
     last_id_before_flag = []
 
     def cancel_after_the_first_delta():
@@ -168,7 +192,7 @@ def test_a_cancel_while_generating_stops_the_job_at_the_next_delta(runtime, redi
 
     watcher = threading.Thread(target=cancel_after_the_first_delta, daemon=True)
     watcher.start()
-    burst(redis_conn)
+    burst(redis_conn, settings, worker_parts)
     watcher.join(5)
     error = terminal(redis_conn, job_id, 5)
     assert (error["data"]["code"], error["data"]["status"]) == ("canceled", 499)
@@ -176,14 +200,21 @@ def test_a_cancel_while_generating_stops_the_job_at_the_next_delta(runtime, redi
     assert len(after) <= 2, f"{len(after)} deltas went out after the cancel"  # one may race the flag
 
 
-def test_worker_is_dead_when_its_process_is_gone(redis_conn):
-    gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait(10)
-    redis_conn.set(keys.worker_alive("w-gone"), json.dumps({"host": host_identity(), "pid": gone.pid}), ex=60)
-    redis_conn.set(keys.worker_alive("w-here"), json.dumps({"host": host_identity(), "pid": os.getppid()}), ex=60)
-    redis_conn.set(keys.worker_alive("w-elsewhere"), json.dumps({"host": "other|pid:[1]", "pid": gone.pid}), ex=60)
-    assert worker_is_dead(redis_conn, "w-gone") and worker_is_dead(redis_conn, "w-expired")
-    assert not worker_is_dead(redis_conn, "w-here") and not worker_is_dead(redis_conn, "w-elsewhere")
+def test_a_job_past_its_time_limit_ends_with_504_between_two_pieces(worker_parts, redis_conn, settings):
+    job_id = submit(redis_conn, settings, chat_request(settings, LONG, max_tokens=2000), timeout_s=1)
+    started = time.monotonic()
+    burst(redis_conn, settings, worker_parts)
+    error = terminal(redis_conn, job_id, 5)
+    assert (error["data"]["code"], error["data"]["status"]) == ("job_timeout", 504)
+    assert time.monotonic() - started < 30
+    assert fetch_job(redis_conn, job_id).get_status() == JobStatus.FAILED
+
+
+def test_interactive_jobs_go_before_batch_jobs(worker_parts, redis_conn, settings):
+    batch_id = submit(redis_conn, settings, chat_request(settings, FRANCE, max_tokens=2), queue=BATCH)
+    now_id = submit(redis_conn, settings, chat_request(settings, FRANCE, max_tokens=2))
+    burst(redis_conn, settings, worker_parts)
+    assert fetch_job(redis_conn, now_id).ended_at <= fetch_job(redis_conn, batch_id).started_at
 
 
 # --- the real worker process --------------------------------------------------------------------------
@@ -252,7 +283,7 @@ def first_delta(conn, job_id, timeout: float = 60) -> None:
 
 def test_worker_process_answers_a_chat_job(spawn, redis_conn, settings):
     worker = spawn(redis_conn)
-    job_id = submit(redis_conn, settings, chat_payload(FRANCE))
+    job_id = submit(redis_conn, settings, chat_request(settings, FRANCE))
     done = terminal(redis_conn, job_id, 60)
     assert done["type"] == "done", worker.tail()
     assert "Paris" in done["data"]["choices"][0]["text"]
@@ -263,7 +294,7 @@ def test_worker_process_answers_a_chat_job(spawn, redis_conn, settings):
 
 def test_sigterm_lets_the_running_job_finish(spawn, redis_conn, settings):
     worker = spawn(redis_conn)
-    job_id = submit(redis_conn, settings, chat_payload(LONG, max_tokens=30))
+    job_id = submit(redis_conn, settings, chat_request(settings, LONG, max_tokens=30))
     first_delta(redis_conn, job_id)
     worker.process.send_signal(signal.SIGTERM)
     assert worker.process.wait(120) == 0, worker.tail()
@@ -276,7 +307,7 @@ def test_sigterm_lets_the_running_job_finish(spawn, redis_conn, settings):
 def test_kill9_mid_job_then_restart_fails_the_job_with_worker_died(spawn, redis_conn, settings):
     dead_after = settings.worker_dead_after_s
     worker = spawn(redis_conn)
-    job_id = submit(redis_conn, settings, chat_payload(LONG, max_tokens=2000))
+    job_id = submit(redis_conn, settings, chat_request(settings, LONG, max_tokens=2000))
     first_delta(redis_conn, job_id)
     # While the job runs, the heartbeat thread pushes its started-registry expiry forward.
     registry_key = get_queue(INTERACTIVE, redis_conn).started_job_registry.key

@@ -1,4 +1,4 @@
-"""The text backend (mlx-lm): load a model, build prompts, and generate with stop strings and real usage."""
+"""Text generation on mlx-lm: load a model, build prompts, generate with stop strings and real usage."""
 
 from __future__ import annotations
 
@@ -13,32 +13,8 @@ import mlx_lm
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 from mlx_lm.utils import dequantize_model
 
-
-class ContextLengthExceeded(ValueError):
-    """The prompt does not fit the model's context window (HTTP 400)."""
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How to generate: the OpenAI sampling knobs, as validated by the web tier."""
-
-    max_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    repetition_penalty: float | None = None
-
-    @classmethod
-    def from_payload(cls, payload: dict) -> "Sampling":
-        """Build from a job payload; missing or null keys take the defaults."""
-        given = {k: payload[k] for k in cls.__dataclass_fields__ if payload.get(k) is not None}
-        if "stop" in given:
-            stops = given["stop"]
-            given["stop"] = tuple(s for s in ([stops] if isinstance(stops, str) else stops) if s)
-        return cls(**given)
+from jobs.contract import Sampling
+from jobs.errors import ContextLengthExceeded
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The speech backend (mlx-audio Whisper): load a model and transcribe a file window by window.
+"""Whisper on mlx-audio: load a model and transcribe a file window by window.
 
 This is Whisper's own seek loop (as in `Model.generate`), turned inside out: instead of decoding the
 whole file in one call, `transcribe_chunks` yields after every 30 s window with the segments it

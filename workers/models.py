@@ -1,6 +1,7 @@
-"""Resident models: loaded once, kept between jobs, evicted least-recently-used within a memory budget.
+"""The model manager: models loaded once, kept between requests, evicted least-recently-used within a
+memory budget, loaded and unloaded explicitly too (the admin API will drive it through control jobs).
 
-Only the engine's thread (the worker's main thread, which owns MLX) touches the registry, so it needs no lock.
+Only the scheduler's thread (the worker's main thread, which owns MLX) touches it, so it needs no lock.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jobs.store import ModelInfo
+from jobs.errors import InvalidRequest, JobError, ModelTooLarge
 from workers.platform import PlatformInfo
 
 log = logging.getLogger(__name__)
@@ -33,15 +34,11 @@ _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U3
                 "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
-class ModelTooLarge(MemoryError):
-    """The model cannot fit the worker's memory budget even with every other model evicted (HTTP 507)."""
-
-
 @dataclass
 class Resident:
     """A loaded model and what it costs."""
 
-    info: ModelInfo
+    info: Any  # what was asked for: a jobs.contract.ModelRef (id, path, kind) or a jobs.store.ModelInfo
     model: Any
     processor: Any  # the tokenizer (text), processor (vision) or None
     nbytes: int
@@ -143,8 +140,8 @@ def params_nbytes(model) -> int:
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
-class ModelRegistry:
-    """LRU cache of loaded models within a byte budget; one loader per model kind."""
+class ModelManager:
+    """Resident models within a byte budget (LRU eviction); one loader per model kind."""
 
     def __init__(self, budget_bytes: int, platform: PlatformInfo, loaders: dict[str, Loader]):
         self.budget_bytes = budget_bytes
@@ -152,7 +149,7 @@ class ModelRegistry:
         self.loaders = loaders
         self._models: OrderedDict[str, Resident] = OrderedDict()  # least recently used first
 
-    def get(self, info: ModelInfo) -> Resident:
+    def get(self, info) -> Resident:
         """Return the model resident, loading it (and evicting others) if needed."""
         key = str(Path(info.path).resolve())
         if key in self._models:
@@ -162,18 +159,25 @@ class ModelRegistry:
         self._models[key] = resident
         return resident
 
-    def plan(self, info: ModelInfo) -> tuple[int, bool]:
+    def load(self, info) -> Resident:
+        """Load a model now (or keep it resident), evicting others as the budget needs."""
+        return self.get(info)
+
+    def plan(self, info) -> tuple[int, bool]:
         """(estimated resident bytes, float32?) for a model, from its files only."""
         stats = weight_stats(info.path)
         # float32 is a speed choice only: never let it turn a model that fits into one that does not.
         float32 = self.platform.use_float32(stats.float32_bytes) and stats.float32_bytes <= self.budget_bytes
         return (stats.float32_bytes if float32 else stats.stored_bytes), float32
 
-    def _load(self, info: ModelInfo) -> Resident:
+    def _load(self, info) -> Resident:
         """Admit, make room for and load a model; log how long it took."""
         loader = self.loaders.get(info.kind)
         if loader is None:
-            raise ValueError(f"no backend loads {info.kind!r} models")
+            raise InvalidRequest(f"this worker serves no {info.kind} models", code="invalid_model", param="model")
+        if not (Path(info.path) / "config.json").is_file():  # removed from the store since it was resolved
+            raise JobError(f"Model {info.id!r} is not in the server's store any more.", status=404,
+                           code="model_not_found", param="model")
         needed, float32 = self.plan(info)
         if needed > self.budget_bytes:
             raise ModelTooLarge(f"model {info.id!r} needs about {needed / 2**20:.0f} MiB but the worker's "
@@ -207,7 +211,7 @@ class ModelRegistry:
         """Bytes held by resident models."""
         return sum(r.nbytes for r in self._models.values())
 
-    def resident(self) -> list[dict]:
+    def list(self) -> list[dict]:
         """Resident models, least recently used first (for logs and admin views)."""
         return [{"id": r.info.id, "path": str(r.info.path), "bytes": r.nbytes, "float32": r.float32,
                  "load_s": round(r.load_s, 3)} for r in self._models.values()]

@@ -1,0 +1,139 @@
+"""The typed requests web and worker exchange, and the results and events a job produces.
+
+The web tier builds one request from a validated body (model resolved, defaults applied, upload
+spooled) and enqueues its `to_payload()` as the RQ job's only argument; the worker `parse`s it once.
+Defaults live here and nowhere else.
+
+Events of a job (jobs.events numbers them), by type, with their data:
+  delta     {"index", "text"}                     text generated for choice `index`
+  segment   {"segment", "words"?}                 a finished transcript segment (verbose_json's shape)
+  progress  {"done_s", "total_s", "percent", "eta_s"}
+  done      TextResult.as_dict()  or  {"result": <verbose_json transcription>}
+  error     jobs.errors.error_data(...): {"message", "code", "status", ...}
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+from jobs.errors import InvalidRequest
+
+DEFAULT_MAX_TOKENS = 512
+"""max_tokens when the client sends none (bounded so a forgotten limit can't hold the GPU)."""
+
+DEFAULT_SPEECH_MODEL = "whisper-tiny.en"
+"""The model of a transcription request that names none (OpenAI's clients always send one)."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to generate: the OpenAI sampling knobs, validated by the web tier."""
+
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    repetition_penalty: float | None = None
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """The model a request runs on, as the web tier resolved it in the catalog (jobs.store)."""
+
+    id: str
+    path: str
+    kind: str
+    context_length: int | None = None
+    vocab_size: int | None = None
+
+
+@dataclass(frozen=True)
+class TextRequest:
+    """A chat (`messages`: one conversation, one choice) or a completion (`prompts`: one choice each)."""
+
+    id: str
+    model: ModelRef
+    sampling: Sampling = Sampling()
+    messages: list[dict] | None = None
+    prompts: list[str] | None = None
+    is_async: bool = False  # an async job (/v1/jobs) keeps a record; a synchronous call does not
+    request_id: str | None = None
+    kind: str = field(default="text", init=False)
+
+    @property
+    def inputs(self) -> list:
+        """What each choice continues: the conversation, or each prompt."""
+        return [self.messages] if self.messages is not None else list(self.prompts or [])
+
+
+@dataclass(frozen=True)
+class TranscriptionRequest:
+    """Speech to text of a spooled upload (OpenAI's transcription parameters)."""
+
+    id: str
+    model: ModelRef
+    audio_path: str
+    filename: str = ""
+    language: str | None = None
+    prompt: str | None = None
+    temperature: float = 0.0
+    word_timestamps: bool = False
+    is_async: bool = False
+    request_id: str | None = None
+    attempts: int = 1  # runs started so far, this one included (a crashed run is resumed, not restarted)
+    resume: bool = False  # continue from the job's checkpoint
+    kind: str = field(default="transcription", init=False)
+
+
+Request = TextRequest | TranscriptionRequest
+_KINDS = {"text": TextRequest, "transcription": TranscriptionRequest}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One generated choice."""
+
+    index: int
+    text: str
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class TextResult:
+    """The `done` event of a text request (and its async job's stored result)."""
+
+    model: str
+    choices: list[Choice]
+    prompt_tokens: int
+    completion_tokens: int
+    created: int
+
+    def as_dict(self) -> dict:
+        """The JSON shape: OpenAI's `usage` block instead of the two counts."""
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                 "total_tokens": self.prompt_tokens + self.completion_tokens}
+        return {"model": self.model, "choices": [asdict(c) for c in self.choices], "usage": usage,
+                "created": self.created}
+
+
+def to_payload(request: Request) -> dict:
+    """The request as the RQ job's JSON argument."""
+    return asdict(request)
+
+
+def parse(payload: dict) -> Request:
+    """The request an RQ job carries; InvalidRequest when the payload is not one."""
+    try:
+        cls = _KINDS[payload["kind"]]
+        values = {f.name: payload[f.name] for f in fields(cls) if f.init and f.name in payload}
+        values["model"] = ModelRef(**values["model"])
+        if cls is TextRequest:
+            sampling = dict(values.get("sampling") or {})
+            sampling["stop"] = tuple(sampling.get("stop") or ())
+            values["sampling"] = Sampling(**sampling)
+        return cls(**values)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidRequest(f"the job's payload is not an mlxq request ({type(exc).__name__}: {exc})") from None

@@ -1,0 +1,94 @@
+"""Redis restarts under the real service, with Redis run as `mlxq up` runs it (an append-only file).
+
+Nothing accepted is lost: jobs queued when Redis goes down are all there and done once it is back;
+a transcription running through the restart completes, with the same text as an uninterrupted run.
+The worker rides it out (it used to exit on the first Redis error).
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from bench.make_long_audio import build
+from tests.conftest import RedisServer, wait_until
+from tests.integration.conftest import Service
+
+MODEL = "whisper-tiny.en"
+OUTAGE_S = 20
+"""How long Redis stays away: past redis-py's own retries (about 7 s), well within the worker's (about 70 s)."""
+
+
+@pytest.fixture()
+def durable(models_dir):
+    """A durable Redis of its own and the service on it; both go at the end."""
+    server = RedisServer(durable=True).start()
+    service = Service(server.url, models_dir).start()
+    yield server, service
+    service.stop()
+    server.stop()
+
+
+def _transcribe_async(api: httpx.Client, path) -> str:
+    with open(path, "rb") as f:
+        response = api.post("/v1/jobs/transcriptions", data={"model": MODEL}, files={"file": (path.name, f)})
+    assert response.status_code == 202, response.text
+    return response.json()["id"]
+
+
+def _chat_async(api: httpx.Client) -> str:
+    response = api.post("/v1/jobs/chat/completions", json={
+        "model": "smollm2-135m", "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]})
+    assert response.status_code == 202, response.text
+    return response.json()["id"]
+
+
+def _finished(api: httpx.Client, job_id: str, timeout: float = 300) -> dict:
+    """Poll the job (riding out 503s while Redis is away) until it ends; return its record."""
+    def ended():
+        try:
+            response = api.get(f"/v1/jobs/{job_id}")
+        except httpx.HTTPError:
+            return None
+        if response.status_code == 503:
+            return None
+        assert response.status_code == 200, response.text
+        return response.json() if response.json()["status"] in ("succeeded", "failed", "canceled") else None
+    return wait_until(ended, timeout, interval=0.5, what=f"job {job_id} to end")
+
+
+@pytest.mark.timeout(600)
+def test_a_restart_during_a_transcription_changes_nothing_in_its_result(durable):
+    server, service = durable
+    audio = build(1)
+    with httpx.Client(base_url=service.base_url, timeout=60) as api:
+        reference = _finished(api, _transcribe_async(api, audio))
+        assert reference["status"] == "succeeded"
+        job_id = _transcribe_async(api, audio)
+        wait_until(lambda: (api.get(f"/v1/jobs/{job_id}").json().get("progress") or {}).get("percent"), 120,
+                   interval=0.2, what="the transcription to be under way")
+        server.halt()  # a clean shutdown, as a restart does
+        time.sleep(OUTAGE_S)
+        server.start()
+        record = _finished(api, job_id)
+        assert service.worker.alive(), service.worker.tail()
+        assert record["status"] == "succeeded", record
+        assert record["result"]["text"] == reference["result"]["text"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("kill", [False, True], ids=["shutdown", "kill-9"])
+def test_jobs_queued_before_a_restart_are_all_done_after_it(durable, kill):
+    server, service = durable
+    service.worker.stop()  # nothing drains the queue: the jobs wait in Redis
+    with httpx.Client(base_url=service.base_url, timeout=60) as api:
+        audio = build(0.5)
+        job_ids = [_transcribe_async(api, audio) for _ in range(2)] + [_chat_async(api) for _ in range(5)]
+        time.sleep(1.5)  # the append-only file is synced every second
+        server.halt(kill=kill)
+        server.start()
+        service.worker.start()
+        for job_id in job_ids:
+            assert _finished(api, job_id)["status"] == "succeeded"

@@ -1,0 +1,60 @@
+"""What the scheduler records in RQ, as RQ and rq-dashboard read it back (fails if an RQ release changes it)."""
+
+from __future__ import annotations
+
+from rq import Queue, Worker
+from rq.job import JobStatus
+from rq.serializers import JSONSerializer
+
+from jobs import queues
+from workers import rqjobs
+
+
+def _queued(conn, settings, job_id: str, queue: str = queues.INTERACTIVE):
+    return queues.enqueue(conn, settings, queue, queues.CHAT_COMPLETION, {"id": job_id}, job_id)
+
+
+def test_take_serves_interactive_before_batch_and_returns_none_when_empty(redis_conn, settings):
+    _queued(redis_conn, settings, "job-batch", queues.BATCH)
+    _queued(redis_conn, settings, "job-now")
+    both = [queues.get_queue(q, redis_conn) for q in queues.WORKER_QUEUES]
+    assert [rqjobs.take(both, redis_conn)[0].id for _ in range(2)] == ["job-now", "job-batch"]
+    assert rqjobs.take(both, redis_conn) is None
+    assert rqjobs.take(both, redis_conn, wait_s=1) is None  # waited, then gave up
+
+
+def test_a_job_is_started_heartbeaten_then_finished_with_its_return_value(redis_conn, settings):
+    job = _queued(redis_conn, settings, "job-1")
+    [(taken, _)] = [rqjobs.take([queues.get_queue(queues.INTERACTIVE, redis_conn)], redis_conn)]
+    execution = rqjobs.start(taken, "worker-a")
+    fetched = queues.fetch_job(redis_conn, job.id)
+    assert fetched.get_status() == JobStatus.STARTED and fetched.worker_name == "worker-a"
+    started = taken.started_job_registry
+    assert started.get_job_ids(cleanup=False) == ["job-1"]
+    before = redis_conn.zscore(started.key, f"job-1:{execution.id}")
+    rqjobs.heartbeat(taken, execution)
+    assert redis_conn.zscore(started.key, f"job-1:{execution.id}") >= before
+    rqjobs.succeed(taken, execution, {"answer": 42})
+    fetched = queues.fetch_job(redis_conn, job.id)
+    assert fetched.get_status() == JobStatus.FINISHED and fetched.return_value() == {"answer": 42}
+    assert started.get_job_ids(cleanup=False) == []
+    assert taken.finished_job_registry.get_job_ids() == ["job-1"]
+
+
+def test_a_failed_job_keeps_its_reason(redis_conn, settings):
+    _queued(redis_conn, settings, "job-2")
+    taken, _ = rqjobs.take([queues.get_queue(queues.INTERACTIVE, redis_conn)], redis_conn)
+    execution = rqjobs.start(taken, "worker-a")
+    rqjobs.fail(taken, execution, "canceled: the job was canceled")
+    fetched = queues.fetch_job(redis_conn, "job-2")
+    assert fetched.get_status() == JobStatus.FAILED
+    assert "the job was canceled" in fetched.latest_result().exc_string
+    assert taken.failed_job_registry.get_job_ids() == ["job-2"]
+    assert taken.started_job_registry.get_job_ids(cleanup=False) == []
+
+
+def test_the_worker_is_listed_as_rq_dashboard_lists_workers(redis_conn):
+    worker = rqjobs.register([Queue(queues.INTERACTIVE, connection=redis_conn)], redis_conn, "mlxq-test")
+    assert [w.name for w in Worker.all(connection=redis_conn, serializer=JSONSerializer)] == ["mlxq-test"]
+    worker.register_death()
+    assert Worker.all(connection=redis_conn) == []

@@ -1,0 +1,99 @@
+"""From a validated body to one typed request (jobs.contract): the model resolved, bounds checked,
+defaults applied, the upload spooled and probed. Every view submits what this builds.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from flask import g
+
+from jobs.contract import DEFAULT_MAX_TOKENS, ModelRef, Sampling, TextRequest, TranscriptionRequest
+from jobs.media import MediaInfo
+from jobs.store import ModelInfo, ModelNotFound, resolve
+from web.audio_check import check_audio
+from web.errors import APIError
+from web.services import services
+from web.uploads import Upload, spool
+
+log = logging.getLogger(__name__)
+
+
+def resolve_model(ref: str | None, kind: str) -> ModelInfo:
+    """Resolve a model reference to a catalog entry of `kind`, or raise 404 / 400."""
+    try:
+        info = resolve(ref, services().settings, allow_paths=False)
+    except ModelNotFound as exc:
+        log.info("%s", exc)  # the operator's log gets the places looked, with their paths
+        raise APIError(404, exc.public_message, "model_not_found", "model") from None
+    if info.kind != kind:
+        raise APIError(400, f"Model '{info.id}' is a {info.kind} model; this endpoint needs a {kind} model.",
+                       "invalid_model", "model")
+    return info
+
+
+def model_ref(info: ModelInfo) -> ModelRef:
+    """What the worker needs of a catalog entry."""
+    return ModelRef(info.id, str(info.path), info.kind, info.context_length, info.vocab_size)
+
+
+def sampling(body: dict, info: ModelInfo) -> Sampling:
+    """The sampling of a chat or completion body, bounded by the settings and the model."""
+    limit = services().settings.max_tokens_limit
+    if info.context_length:
+        limit = min(limit, info.context_length)
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or min(DEFAULT_MAX_TOKENS, limit)
+    if max_tokens > limit:
+        param = "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
+        raise APIError(400, f"'{param}' must be at most {limit} for model '{info.id}'.", "invalid_value", param)
+    if body["top_k"] and info.vocab_size and body["top_k"] > info.vocab_size:
+        raise APIError(400, f"'top_k' must be at most {info.vocab_size}, the vocabulary size of model "
+                            f"'{info.id}'.", "invalid_value", "top_k")
+    defaults = Sampling()
+    return Sampling(
+        max_tokens=max_tokens,
+        temperature=defaults.temperature if body["temperature"] is None else body["temperature"],
+        top_p=defaults.top_p if body["top_p"] is None else body["top_p"],
+        top_k=body["top_k"] or 0,
+        min_p=body["min_p"] or 0.0,
+        seed=body["seed"],
+        stop=tuple(s for s in body["stop"] or () if s),
+        repetition_penalty=body["repetition_penalty"],
+    )
+
+
+def chat_request(body: dict, job_id: str, is_async: bool = False) -> TextRequest:
+    """A chat request: developer messages become system ones (chat templates know those)."""
+    info = resolve_model(body["model"], "text")
+    messages = [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]}
+                for m in body["messages"]]
+    return TextRequest(job_id, model_ref(info), sampling(body, info), messages=messages, is_async=is_async,
+                       request_id=g.request_id)
+
+
+def completion_request(body: dict, job_id: str) -> TextRequest:
+    """A completion request: one choice per prompt."""
+    info = resolve_model(body["model"], "text")
+    return TextRequest(job_id, model_ref(info), sampling(body, info), prompts=list(body["prompt"]),
+                       request_id=g.request_id)
+
+
+def transcription_request(form: dict, job_id: str, is_async: bool) -> tuple[TranscriptionRequest, Upload, MediaInfo]:
+    """Resolve the model, spool the upload and probe it; the request, the upload and what it holds."""
+    info = resolve_model(form["model"], "speech")
+    upload = spool(form["file"], job_id)
+    audio = check_audio(upload.path, upload.filename, services().settings.max_audio_s)
+    request = TranscriptionRequest(
+        job_id, model_ref(info), str(upload.path), upload.filename, language=form["language"],
+        prompt=form["prompt"], temperature=form["temperature"],
+        word_timestamps="word" in form["timestamp_granularities"], is_async=is_async, request_id=g.request_id,
+    )
+    return request, upload, audio
+
+
+def describe_audio(upload: Upload, audio: MediaInfo, model: str) -> str:
+    """A job description for rq-dashboard: 'transcribe meeting.mp3 (whisper-tiny.en, 62 min)'."""
+    seconds = audio.duration_s
+    length = (f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min" if seconds < 7200
+              else f"{seconds / 3600:.1f} h")
+    return f"transcribe {upload.filename} ({model}, {length})"

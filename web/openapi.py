@@ -1,0 +1,50 @@
+"""The OpenAPI document's extras: the real error envelope, the bearer scheme, the HTTP server's refusals."""
+
+from __future__ import annotations
+
+from apispec import BasePlugin
+from flask_smorest import Api
+
+from jobs.settings import Settings
+from web.response_schemas import ErrorEnvelopeSchema
+
+SERVER_REFUSALS = {
+    "414": "Request line too long (over 4094 bytes): refused by the HTTP server itself, in HTML",
+    "431": "Request headers too large: refused by the HTTP server itself, in HTML",
+}
+"""What gunicorn answers before the app sees a request (its own page, not the JSON envelope)."""
+
+
+class MlxqApi(Api):
+    """flask-smorest's Api documenting mlxq's real error envelope as every operation's error answer."""
+
+    ERROR_SCHEMA = ErrorEnvelopeSchema
+
+    def __init__(self, app, settings: Settings):
+        app.config["API_SPEC_OPTIONS"] = spec_options(settings)
+        super().__init__(app, spec_kwargs={"extra_plugins": [ServerRefusals()]})
+
+
+def spec_options(settings: Settings) -> dict:
+    """Document extras: the bearer scheme, required on every operation when keys are set."""
+    options = {
+        "info": {"description": "OpenAI-compatible API for MLX models, with a Redis job queue. Every error the "
+                                "app answers is the envelope `{\"error\": {message, type, param, code}, "
+                                "\"request_id\"}`."},
+        "components": {"securitySchemes": {"bearerAuth": {"type": "http", "scheme": "bearer"}}},
+    }
+    if settings.api_keys:
+        options["security"] = [{"bearerAuth": []}]
+    return options
+
+
+class ServerRefusals(BasePlugin):
+    """Adds to every operation the answers the HTTP server gives on its own (see SERVER_REFUSALS)."""
+
+    def operation_helper(self, path=None, operations=None, **kwargs):
+        """Called by apispec for each path."""
+        html = {"text/html": {"schema": {"type": "string"}}}
+        for operation in (operations or {}).values():
+            responses = operation.setdefault("responses", {})
+            for status, description in SERVER_REFUSALS.items():
+                responses.setdefault(status, {"description": description, "content": html})

@@ -1,0 +1,133 @@
+"""Rendering answers in OpenAI's wire shapes: the one place that knows them (views call it, never each other).
+
+Inputs are the worker's events (jobs.contract documents their data); outputs are JSON bodies,
+Responses, or SSE frames.
+"""
+
+from __future__ import annotations
+
+from flask import Response, jsonify
+
+from jobs.events import DELTA, DONE, SEGMENT
+from jobs.formats import TEXT_MIMETYPE, render
+from web.sse import sse_data
+
+
+def chat_completion(job_id: str, created: int, done: dict) -> dict:
+    """A `chat.completion` object from a text job's `done` data."""
+    choices = [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
+                "logprobs": None, "finish_reason": c["finish_reason"]} for c in done["choices"]]
+    return {"id": job_id, "object": "chat.completion", "created": created, "model": done["model"],
+            "system_fingerprint": None, "choices": choices, "usage": done["usage"]}
+
+
+def text_completion(job_id: str, created: int, done: dict) -> dict:
+    """A `text_completion` object from a text job's `done` data."""
+    choices = [{"index": c["index"], "text": c["text"], "logprobs": None, "finish_reason": c["finish_reason"]}
+               for c in done["choices"]]
+    return {"id": job_id, "object": "text_completion", "created": created, "model": done["model"],
+            "system_fingerprint": None, "choices": choices, "usage": done["usage"]}
+
+
+def chat_chunks(job_id: str, model: str, created: int, include_usage: bool):
+    """A renderer of text events as `chat.completion.chunk` SSE frames (a role delta opens each choice)."""
+    base = {"id": job_id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "system_fingerprint": None}
+    extra = {"usage": None} if include_usage else {}
+    started = set()
+
+    def chunk(index: int, delta: dict, finish_reason=None) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return sse_data({**base, "choices": [choice], **extra})
+
+    def frames(event: dict):
+        data = event["data"]
+        if event["type"] == DELTA:
+            index = data.get("index", 0)
+            if index not in started:
+                started.add(index)
+                yield chunk(index, {"role": "assistant", "content": ""})
+            yield chunk(index, {"content": data["text"]})
+        elif event["type"] == DONE:
+            for choice in data["choices"]:
+                if choice["index"] not in started:
+                    yield chunk(choice["index"], {"role": "assistant", "content": ""})
+                yield chunk(choice["index"], {}, choice["finish_reason"])
+            if include_usage:
+                yield sse_data({**base, "choices": [], "usage": data["usage"]})
+
+    return frames
+
+
+def completion_chunks(job_id: str, model: str, created: int, include_usage: bool):
+    """A renderer of text events as streamed `text_completion` SSE frames."""
+    base = {"id": job_id, "object": "text_completion", "created": created, "model": model}
+    extra = {"usage": None} if include_usage else {}
+
+    def chunk(index: int, text: str, finish_reason=None) -> str:
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return sse_data({**base, "choices": [choice], **extra})
+
+    def frames(event: dict):
+        data = event["data"]
+        if event["type"] == DELTA:
+            yield chunk(data.get("index", 0), data["text"])
+        elif event["type"] == DONE:
+            for choice in data["choices"]:
+                yield chunk(choice["index"], "", choice["finish_reason"])
+            if include_usage:
+                yield sse_data({**base, "choices": [], "usage": data["usage"]})
+
+    return frames
+
+
+def transcript_deltas():
+    """A renderer of transcription events as `transcript.text.delta` / `transcript.text.done` frames."""
+    state = {"started": False}
+
+    def frames(event: dict):
+        data = event["data"]
+        if event["type"] == SEGMENT:
+            text = data["segment"]["text"]
+            # Segments carry their own leading space; the first delta starts the text without one.
+            text = text if state["started"] else text.lstrip()
+            if text:
+                state["started"] = True
+                yield sse_data({"type": "transcript.text.delta", "delta": text})
+        elif event["type"] == DONE:
+            yield sse_data({"type": "transcript.text.done", "text": data["result"]["text"]})
+
+    return frames
+
+
+def stream_error(request_id: str):
+    """A renderer of an error event as an OpenAI-style error frame (the openai client raises on it)."""
+
+    def frame(data: dict) -> str:
+        error = {"message": data.get("message", "error"), "type": "server_error",
+                 "param": data.get("param"), "code": data.get("code")}
+        extra = {k: v for k, v in data.items() if k not in ("message", "param", "code", "status")}
+        return sse_data({"error": {**error, **extra}, "request_id": request_id})
+
+    return frame
+
+
+def transcription(result: dict, fmt: str, granularities, text_mimetype: str | None = None) -> Response:
+    """A verbose_json result in `fmt`: a JSON body, or plain text (text, srt, vtt)."""
+    body, mimetype = render(result, fmt, tuple(granularities))
+    if isinstance(body, dict):
+        return jsonify(body)
+    return Response(body, content_type=text_mimetype or mimetype)
+
+
+def transcription_sync(result: dict, fmt: str, granularities) -> Response:
+    """A synchronous transcription: text, srt and vtt as text/plain, as OpenAI answers them."""
+    return transcription(result, fmt, granularities, TEXT_MIMETYPE)
+
+
+def job_result(record: dict, result: dict | None):
+    """An async job's result as clients see it: verbose_json, or a chat.completion object for chat."""
+    if record["kind"] != "chat" or result is None:
+        return result
+    return chat_completion(record["id"], result.get("created") or record["created_at"],
+                           {**result, "model": result.get("model", record.get("model"))})

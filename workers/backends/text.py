@@ -1,0 +1,86 @@
+"""The text backend (mlx-lm): chats and completions, streamed as deltas, one choice per input.
+
+Deltas go out at most one per settings.stream_interval_ms, each carrying every token generated
+meanwhile (the first token and the last never wait): fewer Redis round trips between tokens. Each
+publish reports a requested cancel, so a cancel stops generation at the next delta.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from jobs.contract import Choice, TextRequest, TextResult
+from jobs.errors import InvalidRequest
+from jobs.events import DELTA
+from workers.backends import textgen
+from workers.backends.base import Outcome
+
+
+class TextBackend:
+    """mlx-lm text generation behind the backend interface (workers/backends/base.py)."""
+
+    model_kind = "text"
+    resumable = False
+
+    def load(self, path: Path, float32: bool):
+        """Load an mlx-lm model and its tokenizer."""
+        return textgen.load(path, float32)
+
+    def run(self, request: TextRequest, job, models) -> Iterator[Outcome | None]:
+        """Generate one choice per input, publishing deltas; end with the usage-counted answer."""
+        if request.model.kind != self.model_kind:
+            raise InvalidRequest(f"model {request.model.id!r} is a {request.model.kind} model; this endpoint "
+                                 "needs a text model", code="invalid_model", param="model")
+        resident = models.get(request.model)
+        interval = job.settings.stream_interval_ms / 1000
+        choices, prompt_tokens, completion_tokens, held = [], 0, 0, []
+        for index, prompt in enumerate(request.inputs):
+            if held:  # the previous choice's last delta goes out now; its reply reports a cancel
+                job.publish(held)
+            else:
+                job.check_cancel()
+            pieces = self._generate(resident, request, prompt)
+            try:
+                text, final, last_delta = yield from _stream(pieces, job, index, interval)
+            except BaseException:
+                pieces.close()  # leaving early (a cancel, a timeout, shutdown): generation stops here
+                raise
+            choices.append(Choice(index, text, final.finish_reason))
+            prompt_tokens += final.prompt_tokens
+            completion_tokens += final.tokens
+            held = [(DELTA, {"index": index, "text": last_delta})] if last_delta else []
+            if index < len(request.inputs) - 1:
+                pieces.close()
+        result = TextResult(request.model.id, choices, prompt_tokens, completion_tokens, int(time.time()))
+        try:
+            yield Outcome(result.as_dict(), before=held)  # the answer goes out, then generation is closed
+        finally:
+            pieces.close()
+
+    @staticmethod
+    def _generate(resident, request: TextRequest, prompt) -> Iterator[textgen.Piece]:
+        """mlx-lm's generation for a chat (list of messages) or a plain prompt, as Pieces."""
+        tokenizer = resident.processor
+        is_chat = isinstance(prompt, list)
+        ids = textgen.chat_prompt(tokenizer, prompt) if is_chat else textgen.text_prompt(tokenizer, prompt)
+        context = request.model.context_length
+        return textgen.generate(resident.model, tokenizer, ids, request.sampling, context)
+
+
+def _stream(pieces: Iterator[textgen.Piece], job, index: int, interval: float):
+    """Publish a choice's deltas as it generates, yielding after each; return (its text, its final
+    Piece, its last delta unpublished: it goes out with the next event in one round trip)."""
+    parts, pending, last_sent = [], "", -math.inf
+    for piece in pieces:
+        parts.append(piece.text)
+        pending += piece.text
+        if piece.final:
+            return "".join(parts), piece, pending
+        if pending and time.monotonic() - last_sent >= interval:
+            job.publish([(DELTA, {"index": index, "text": pending})])
+            pending, last_sent = "", time.monotonic()
+            yield
+    raise RuntimeError("the generation ended without a finish reason")

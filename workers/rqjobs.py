@@ -1,0 +1,82 @@
+"""The worker's side of RQ: take jobs, and record them started, heartbeating, finished or failed.
+
+The scheduler runs requests itself (RQ's workers run one job function to its end; the scheduler
+interleaves and will batch them), but every request is still an RQ job that rq-dashboard shows
+started, then finished or failed, with RQ's registries, results and worker entry kept as RQ keeps
+them. This module is the only place that does so, with RQ's public classes and functions
+(tests/workers/test_rqjobs.py fails if an RQ release changes what they do).
+"""
+
+from __future__ import annotations
+
+import redis
+from rq import Queue, Worker
+from rq.exceptions import DequeueTimeout
+from rq.executions import Execution
+from rq.job import Job, JobStatus
+from rq.job_lifecycle import record_job_failure
+from rq.results import Result
+from rq.serializers import JSONSerializer
+from rq.utils import now
+
+HEARTBEAT_TTL_S = 60
+"""How long a started job stays in its started registry without a heartbeat (the worker beats every second)."""
+
+
+def take(queues: list[Queue], connection: redis.Redis, wait_s: int | None = None) -> tuple[Job, Queue] | None:
+    """The first job of the first non-empty queue, waiting up to `wait_s` seconds for one (None: don't wait)."""
+    try:
+        found = Queue.dequeue_any(queues, wait_s, connection=connection, serializer=JSONSerializer)
+    except DequeueTimeout:
+        return None
+    return found if found else None
+
+
+def start(job: Job, worker_name: str) -> Execution:
+    """Record the job started by `worker_name` (status, started registry, execution)."""
+    with job.connection.pipeline() as pipe:
+        job.prepare_for_execution(worker_name, pipe)
+        execution = Execution.create(job, HEARTBEAT_TTL_S, pipeline=pipe, worker_name=worker_name)
+        pipe.execute()
+    return execution
+
+
+def heartbeat(job: Job, execution: Execution) -> None:
+    """Keep a running job in its started registry (a job whose heartbeats stop is abandoned)."""
+    with job.connection.pipeline() as pipe:
+        job.heartbeat(now(), HEARTBEAT_TTL_S, pipeline=pipe, xx=True)
+        execution.heartbeat(job.started_job_registry, HEARTBEAT_TTL_S, pipe)
+        pipe.execute()
+
+
+def succeed(job: Job, execution: Execution, return_value) -> None:
+    """Record the job finished, with its return value (kept for its result TTL)."""
+    result_ttl = job.get_result_ttl(500)
+    job.ended_at = now()
+    with job.connection.pipeline() as pipe:
+        job.set_status(JobStatus.FINISHED, pipeline=pipe)
+        job.save(pipeline=pipe, include_meta=False, include_result=False)
+        Result.create(job, Result.Type.SUCCESSFUL, ttl=result_ttl, return_value=return_value,
+                      worker_name=execution.worker_name, pipeline=pipe, execution_id=execution.id)
+        job.finished_job_registry.add(job, ttl=result_ttl, pipeline=pipe)
+        job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
+        execution.delete(job=job, pipeline=pipe)
+        pipe.execute()
+
+
+def fail(job: Job, execution: Execution | None, reason: str) -> None:
+    """Record the job failed, with `reason` as its exception text (kept for its failure TTL)."""
+    job.ended_at = now()
+    with job.connection.pipeline() as pipe:
+        job.save(pipeline=pipe, include_meta=False, include_result=False)
+        record_job_failure(job, reason, pipe)
+        if execution is not None:
+            execution.delete(job=job, pipeline=pipe)
+        pipe.execute()
+
+
+def register(queues: list[Queue], connection: redis.Redis, name: str) -> Worker:
+    """An RQ worker entry for rq-dashboard (`Worker.register_birth`); the caller beats and unregisters."""
+    worker = Worker(queues, connection=connection, name=name, serializer=JSONSerializer)
+    worker.register_birth()
+    return worker
