@@ -23,27 +23,33 @@ ERROR = "error"
 TERMINAL = frozenset({DONE, ERROR})
 
 # Assign ids, append to the capped log and publish in one atomic step, so the log's order is the id
-# order and a terminal event can never be followed by another (a later one is dropped). ARGV: ttl,
-# cap, a token naming this publish, then a type and a JSON data per event; several events cost one
-# round trip. A publish whose token is the last one applied is not applied again: a worker resends
-# a publish whose reply a dropped connection lost, and the events must not appear twice. Returns the
-# last id and whether the job's cancel flag is set, so a publishing worker learns of a cancel for free.
+# order and a terminal event can never be followed by another (a later one is dropped). Once a
+# cancel is asked for, only the terminal event goes out (nobody wants more of a canceled job's
+# output). ARGV: ttl, cap, a token naming this publish, then a type and a JSON data per event;
+# several events cost one round trip. A publish whose token is the last one applied is not applied
+# again: a worker resends a publish whose reply a dropped connection lost, and the events must not
+# appear twice. Returns the last id and whether the job's cancel flag is set, so a publishing
+# worker learns of a cancel for free.
 _PUBLISH_LUA = """
 local seq_key, log_key, channel, cancel_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local ttl, cap, token = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
 local token_key = seq_key .. ':token'
+local canceled = redis.call('EXISTS', cancel_key)
 if redis.call('GET', token_key) == token then
-  return {tonumber(redis.call('GET', seq_key) or 0), redis.call('EXISTS', cancel_key)}
+  return {tonumber(redis.call('GET', seq_key) or 0), canceled}
 end
 local id = 0
 for i = 4, #ARGV, 2 do
   if redis.call('GET', seq_key .. ':ended') then break end
   local etype, data = ARGV[i], ARGV[i + 1]
-  id = redis.call('INCR', seq_key)
-  local event = '{"id":' .. id .. ',"type":"' .. etype .. '","data":' .. data .. '}'
-  redis.call('RPUSH', log_key, event)
-  if etype == 'done' or etype == 'error' then redis.call('SET', seq_key .. ':ended', id, 'EX', ttl) end
-  redis.call('PUBLISH', channel, event)
+  local terminal = etype == 'done' or etype == 'error'
+  if terminal or canceled == 0 then
+    id = redis.call('INCR', seq_key)
+    local event = '{"id":' .. id .. ',"type":"' .. etype .. '","data":' .. data .. '}'
+    redis.call('RPUSH', log_key, event)
+    if terminal then redis.call('SET', seq_key .. ':ended', id, 'EX', ttl) end
+    redis.call('PUBLISH', channel, event)
+  end
 end
 if id > 0 then
   redis.call('LTRIM', log_key, -cap, -1)
@@ -51,7 +57,7 @@ if id > 0 then
   redis.call('EXPIRE', seq_key, ttl)
   redis.call('SET', token_key, token, 'EX', ttl)
 end
-return {id, redis.call('EXISTS', cancel_key)}
+return {id, canceled}
 """
 
 

@@ -30,14 +30,17 @@ def publisher_for(conn: redis.Redis, settings: Settings) -> EventPublisher:
 
 
 def end(conn: redis.Redis, settings: Settings, job_id: str, *, result: dict | None = None,
-        error: dict | None = None, done: dict | None = None, before: list | None = None) -> bool:
+        error: dict | None = None, done: dict | None = None, before: list | None = None,
+        has_record: bool = True) -> bool:
     """End a job: record, webhook, terminal event (`done`, else `error`), then cleanup; False if it had ended.
 
     `result`: what an async job's record keeps (defaults to `done`); `before`: events to publish just
-    before the terminal one, in the same round trip.
+    before the terminal one, in the same round trip; `has_record`: False for a synchronous call (it
+    has none), which saves looking.
     """
     status = records.SUCCEEDED if error is None else records.status_of_error(error)
-    _record_end(conn, settings, job_id, status, result if result is not None else done, error)
+    if has_record:
+        _record_end(conn, settings, job_id, status, result if result is not None else done, error)
     terminal = (DONE, done or {}) if error is None else (ERROR, error)
     published, _ = publisher_for(conn, settings).publish_many(job_id, [*(before or []), terminal])
     if not published:  # another party ended it first: the record follows the logged terminal event
@@ -63,15 +66,17 @@ def _record_end(conn: redis.Redis, settings: Settings, job_id: str, status: str,
 class JobRun:
     """The worker's handle on the job it runs: its events, progress and end."""
 
-    def __init__(self, conn: redis.Redis, settings: Settings, job_id: str, rq_job_id: str | None = None):
+    def __init__(self, conn: redis.Redis, settings: Settings, job_id: str, rq_job_id: str | None = None,
+                 has_record: bool = True):
         self.conn, self.settings, self.job_id = conn, settings, job_id
         self.rq_job_id = rq_job_id or job_id
+        self.has_record = has_record  # an async job's; a synchronous call has none
         self.publisher = publisher_for(conn, settings)
         self.ended = False
 
     def start(self, attempts: int | None = None) -> None:
         """Mark an async job's record running (and which RQ job runs it)."""
-        if records.load(self.conn, self.job_id) is None:
+        if not self.has_record or records.load(self.conn, self.job_id) is None:
             return
         records.set_status(self.conn, self.settings, self.job_id, records.RUNNING)
         fields = {"rq_job_id": self.rq_job_id, **({"attempts": attempts} if attempts else {})}
@@ -95,13 +100,14 @@ class JobRun:
     def finish(self, done: dict, result: dict | None = None, before: list | None = None) -> None:
         """End the job with `done` (an async record keeps `result`, by default `done`)."""
         self.ended = True
-        end(self.conn, self.settings, self.job_id, done=done, result=result, before=before)
+        end(self.conn, self.settings, self.job_id, done=done, result=result, before=before,
+            has_record=self.has_record)
 
     def fail(self, exc: BaseException) -> dict:
         """End the job with the error `exc` means to a client; return the error event's data."""
         self.ended = True
         data = error_data(exc)
-        end(self.conn, self.settings, self.job_id, error=data)
+        end(self.conn, self.settings, self.job_id, error=data, has_record=self.has_record)
         return data
 
 

@@ -105,8 +105,6 @@ def follow(
     with hub.listen(job_id) as live:
         last = after_id
         pending = read_log(connection, job_id, last)
-        if not pending and has_ended(connection, job_id):
-            return  # the reader has already seen the terminal event: nothing more will ever come
         while True:
             for event in pending:
                 if event["id"] <= last:
@@ -122,7 +120,7 @@ def follow(
                 pending = read_log(connection, job_id, last)
                 if not pending:
                     if has_ended(connection, job_id):
-                        return
+                        return  # the reader had already seen the terminal event: nothing more will come
                     yield IDLE
 
 

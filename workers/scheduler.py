@@ -119,7 +119,8 @@ class Scheduler:
         """Record the job started and make it its lane's task (or fail it if its request is unreadable)."""
         execution = rqjobs.start(job, self.name)
         payload = job.args[0] if job.args and isinstance(job.args[0], dict) else {}
-        run = JobRun(self.conn, self.settings, str(payload.get("id") or job.id), rq_job_id=job.id)
+        run = JobRun(self.conn, self.settings, str(payload.get("id") or job.id), rq_job_id=job.id,
+                     has_record=bool(payload.get("is_async", True)))
         try:
             request = contract.parse(payload)
             backend = self.backends[request.kind]
@@ -140,8 +141,7 @@ class Scheduler:
                 raise JobTimeout(f"the job ran past its time limit of {task.timeout_s:g}s")
             if self.stopping and self._resumable(task) and task.gen is not None:
                 return self._hand_back(task)
-            if task.gen is None:
-                task.run.check_cancel()  # canceled while it waited
+            if task.gen is None:  # a job canceled while it waited ends at its first publish
                 task.gen = task.backend.run(task.request, task.run, self.models)
             item = next(task.gen)
         except StopIteration:

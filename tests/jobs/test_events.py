@@ -27,9 +27,12 @@ def test_nothing_follows_the_terminal_event(redis_conn, publisher):
     assert [e["type"] for e in read_log(redis_conn, "job-b")] == [ERROR]
 
 
-def test_the_reply_reports_a_cancel(redis_conn, publisher):
+def test_after_a_cancel_only_the_terminal_event_goes_out_and_the_reply_says_so(redis_conn, publisher):
+    assert publisher.publish_many("job-c", [(DELTA, {"text": "x"})]) == (1, False)
     redis_conn.set(keys.cancel_flag("job-c"), 1)
-    assert publisher.publish_many("job-c", [(DELTA, {"text": "x"})]) == (1, True)
+    assert publisher.publish_many("job-c", [(DELTA, {"text": "y"})]) == (0, True)
+    assert publisher.publish_many("job-c", [(DELTA, {"text": "z"}), (ERROR, {"code": "canceled"})]) == (2, True)
+    assert [(e["id"], e["type"]) for e in read_log(redis_conn, "job-c")] == [(1, DELTA), (2, ERROR)]
 
 
 def test_a_resent_publish_is_applied_once(redis_conn, publisher):

@@ -2,7 +2,8 @@
 
 Deltas go out at most one per settings.stream_interval_ms, each carrying every token generated
 meanwhile (the first token and the last never wait): fewer Redis round trips between tokens. Each
-publish reports a requested cancel, so a cancel stops generation at the next delta.
+publish reports a requested cancel (and publishes nothing of a canceled job but its end), so a
+cancel stops generation at the next delta; a job canceled while it waited stops at its first.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class TextBackend:
         for index, prompt in enumerate(request.inputs):
             if held:  # the previous choice's last delta goes out now; its reply reports a cancel
                 job.publish(held)
-            else:
+            elif index:
                 job.check_cancel()
             pieces = self._generate(resident, request, prompt)
             try:
