@@ -146,7 +146,7 @@ class HTTPServer:
     """An OpenAI-compatible server over HTTP with a keep-alive client."""
 
     def __init__(self, name: str, base: str, model: str, procs: list[Proc]):
-        self.name, self.model, self.procs = name, model, procs
+        self.name, self.base, self.model, self.procs = name, base, model, procs
         self.client = KeepAliveClient(base)
 
     def one_token(self) -> float:

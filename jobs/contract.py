@@ -59,6 +59,7 @@ class TextRequest:
     sampling: Sampling = Sampling()
     messages: list[dict] | None = None
     prompts: list[str] | None = None
+    n: int = 1  # choices per input: choice i*n + k is the k-th for input i
     is_async: bool = False  # an async job (/v1/jobs) keeps a record; a synchronous call does not
     request_id: str | None = None
     kind: str = field(default="text", init=False)
@@ -110,11 +111,13 @@ class TextResult:
     prompt_tokens: int
     completion_tokens: int
     created: int
+    cached_tokens: int = 0  # prompt tokens whose processing was reused from the prompt cache
 
     def as_dict(self) -> dict:
-        """The JSON shape: OpenAI's `usage` block instead of the two counts."""
+        """The JSON shape: OpenAI's `usage` block instead of the counts."""
         usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                 "total_tokens": self.prompt_tokens + self.completion_tokens}
+                 "total_tokens": self.prompt_tokens + self.completion_tokens,
+                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
         return {"model": self.model, "choices": [asdict(c) for c in self.choices], "usage": usage,
                 "created": self.created}
 

@@ -70,6 +70,13 @@ class Settings:
     memory_budget_mb: int = 0
     """Memory the worker may fill with resident models (0: 70% of RAM / GPU memory)."""
 
+    max_batch: int = 0
+    """Most text requests decoding together in the worker (0: the worker's measured default for its
+    device; docs/performance.md)."""
+
+    prompt_cache_mb: int = 512
+    """Memory kept for the KV caches of finished requests, reused by later requests that start alike."""
+
     stream_interval_ms: int = 20
     """Least time between two streamed text events of a job; tokens generated meanwhile go out together
     (the first token and the last never wait). Fewer, larger events leave more time to generation."""

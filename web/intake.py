@@ -18,6 +18,9 @@ from web.uploads import Upload, spool
 
 log = logging.getLogger(__name__)
 
+MAX_CHOICES = 64
+"""The most choices (prompts times `n`) one completion request may ask for."""
+
 
 def resolve_model(ref: str | None, kind: str) -> ModelInfo:
     """Resolve a model reference to a catalog entry of `kind`, or raise 404 / 400."""
@@ -67,15 +70,18 @@ def chat_request(body: dict, job_id: str, is_async: bool = False) -> TextRequest
     info = resolve_model(body["model"], "text")
     messages = [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]}
                 for m in body["messages"]]
-    return TextRequest(job_id, model_ref(info), sampling(body, info), messages=messages, is_async=is_async,
-                       request_id=g.request_id)
+    return TextRequest(job_id, model_ref(info), sampling(body, info), messages=messages, n=body["n"] or 1,
+                       is_async=is_async, request_id=g.request_id)
 
 
 def completion_request(body: dict, job_id: str) -> TextRequest:
     """A completion request: one choice per prompt."""
     info = resolve_model(body["model"], "text")
-    return TextRequest(job_id, model_ref(info), sampling(body, info), prompts=list(body["prompt"]),
-                       request_id=g.request_id)
+    prompts, n = list(body["prompt"]), body["n"] or 1
+    if len(prompts) * n > MAX_CHOICES:
+        raise APIError(400, f"{len(prompts)} prompts with n={n} ask for {len(prompts) * n} choices; at most "
+                            f"{MAX_CHOICES} per request.", "invalid_value", "n")
+    return TextRequest(job_id, model_ref(info), sampling(body, info), prompts=prompts, n=n, request_id=g.request_id)
 
 
 def transcription_request(form: dict, job_id: str, is_async: bool) -> tuple[TranscriptionRequest, Upload, MediaInfo]:

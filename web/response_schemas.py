@@ -27,12 +27,19 @@ class ErrorEnvelopeSchema(Schema):
     request_id = fields.String(required=True, allow_none=True)
 
 
+class PromptTokensDetailsSchema(Schema):
+    """How many prompt tokens were served from the prompt cache."""
+
+    cached_tokens = fields.Integer(required=True)
+
+
 class UsageSchema(Schema):
     """Token counts of a text answer."""
 
     prompt_tokens = fields.Integer(required=True)
     completion_tokens = fields.Integer(required=True)
     total_tokens = fields.Integer(required=True)
+    prompt_tokens_details = fields.Nested(PromptTokensDetailsSchema)
 
 
 class AssistantMessageSchema(Schema):

@@ -9,6 +9,8 @@ from jobs.contract import Sampling
 DEFAULTS = Sampling()
 """The sampling defaults (jobs.contract: the one place they are set)."""
 MAX_STOP = 4
+MAX_N = 8
+"""The most choices one request may ask for (`n`)."""
 MAX_SEED = 2**63 - 1
 """Seeds are OpenAI's int64, non-negative (MLX seeds its generator with an unsigned 64-bit integer)."""
 MAX_TOP_K = 2**31 - 1
@@ -86,8 +88,8 @@ class SamplingSchema(Schema):
     stream = fields.Boolean(load_default=False, allow_none=True)
     stream_options = fields.Nested(StreamOptionsSchema, load_default=None, allow_none=True)
     user = fields.String(load_default=None, allow_none=True)
+    n = fields.Integer(strict=True, load_default=1, validate=validate.Range(min=1, max=MAX_N), allow_none=True)
     # Fields we cannot honour: accepted only at their neutral values, so meaning never changes silently.
-    n = fields.Integer(strict=True, load_default=1, allow_none=True)
     logprobs = fields.Raw(load_default=None, allow_none=True)
     top_logprobs = fields.Integer(strict=True, load_default=None, allow_none=True)
     presence_penalty = fields.Float(load_default=0.0, allow_none=True)
@@ -97,7 +99,7 @@ class SamplingSchema(Schema):
     @validates_schema
     def _refuse_meaning_changes(self, data, **kwargs):
         """Reject fields whose non-neutral values we cannot honour (a clear 400, naming the field)."""
-        neutral = {"n": (None, 1), "logprobs": (None, False, 0), "top_logprobs": (None, 0),
+        neutral = {"logprobs": (None, False, 0), "top_logprobs": (None, 0),
                    "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0), "logit_bias": (None, {})}
         for name, allowed in neutral.items():
             if data.get(name) not in allowed:

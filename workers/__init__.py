@@ -1,1 +1,1 @@
-"""Everything that touches MLX: the worker, engine, backends, importers."""
+"""Everything that touches MLX: the worker, its scheduler and model manager, backends, importers."""

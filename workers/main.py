@@ -40,6 +40,9 @@ RECOVERY_EVERY_S = 5.0
 SPOOL_CLEAN_EVERY_S = 3600.0
 """Seconds between removals of spooled uploads whose jobs ended long ago."""
 
+DEFAULT_MAX_BATCH = {"cuda": 64, "metal": 32, "cpu": 8}
+"""MLXQ_MAX_BATCH when it is 0, by device (bench/bench_concurrency.py measured these)."""
+
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """Command-line options (everything else comes from settings / the environment)."""
@@ -66,7 +69,13 @@ def build_scheduler(settings: Settings, name: str, info: platform.PlatformInfo |
     backends = default_backends()
     loaders = {backend.model_kind: backend.load for backend in backends.values()}
     models = ModelManager(memory_budget_bytes(settings.memory_budget_mb, info.backend), info, loaders)
-    return Scheduler(get_redis(settings.redis_url, patient=True), settings, models, backends, name, burst=burst)
+    return Scheduler(get_redis(settings.redis_url, patient=True), settings, models, backends, name, burst=burst,
+                     max_batch=settings.max_batch or default_max_batch(info.backend))
+
+
+def default_max_batch(device: str) -> int:
+    """How many text requests decode together by default: measured per device (docs/performance.md)."""
+    return DEFAULT_MAX_BATCH.get(device, DEFAULT_MAX_BATCH["cpu"])
 
 
 def warm_default_model(scheduler, settings: Settings) -> None:

@@ -149,13 +149,16 @@ class ModelManager:
         self.loaders = loaders
         self._models: OrderedDict[str, Resident] = OrderedDict()  # least recently used first
 
-    def get(self, info) -> Resident:
-        """Return the model resident, loading it (and evicting others) if needed."""
+    def get(self, info, pinned: frozenset | set = frozenset()) -> Resident:
+        """Return the model resident, loading it (and evicting others, never a `pinned` one) if needed.
+
+        `pinned`: the directories of models in use (a batch decoding on them).
+        """
         key = str(Path(info.path).resolve())
         if key in self._models:
             self._models.move_to_end(key)
             return self._models[key]
-        resident = self._load(info)
+        resident = self._load(info, {str(Path(p).resolve()) for p in pinned})
         self._models[key] = resident
         return resident
 
@@ -170,7 +173,7 @@ class ModelManager:
         float32 = self.platform.use_float32(stats.float32_bytes) and stats.float32_bytes <= self.budget_bytes
         return (stats.float32_bytes if float32 else stats.stored_bytes), float32
 
-    def _load(self, info) -> Resident:
+    def _load(self, info, pinned: set[str]) -> Resident:
         """Admit, make room for and load a model; log how long it took."""
         loader = self.loaders.get(info.kind)
         if loader is None:
@@ -182,7 +185,7 @@ class ModelManager:
         if needed > self.budget_bytes:
             raise ModelTooLarge(f"model {info.id!r} needs about {needed / 2**20:.0f} MiB but the worker's "
                                 f"memory budget is {self.budget_bytes / 2**20:.0f} MiB")
-        self._make_room(needed)
+        self._make_room(needed, pinned)
         start = time.perf_counter()
         model, processor = loader(Path(info.path), float32)
         resident = Resident(info, model, processor, params_nbytes(model), float32, time.perf_counter() - start)
@@ -190,10 +193,14 @@ class ModelManager:
                  resident.nbytes / 2**20, ", dequantized to float32" if float32 else "")
         return resident
 
-    def _make_room(self, needed: int) -> None:
-        """Evict least-recently-used models until `needed` more bytes fit the budget."""
-        while self._models and self.used_bytes() + needed > self.budget_bytes:
-            key, victim = self._models.popitem(last=False)
+    def _make_room(self, needed: int, pinned: set[str]) -> None:
+        """Evict least-recently-used models (never a pinned one) until `needed` more bytes fit the budget."""
+        while self.used_bytes() + needed > self.budget_bytes:
+            victims = [key for key in self._models if key not in pinned]
+            if not victims:
+                raise JobError("the worker's memory is taken by models in use; retry when they are done",
+                               status=503, code="worker_busy")
+            victim = self._models.pop(victims[0])
             log.info("evicting %s (%.0f MiB) to make room", victim.info.id, victim.nbytes / 2**20)
             del victim
             _free_memory()

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import redis
 from rq import Queue, Worker
-from rq.exceptions import DequeueTimeout
+from rq.exceptions import DequeueTimeout, NoSuchJobError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.job_lifecycle import record_job_failure
 from rq.results import Result
 from rq.serializers import JSONSerializer
-from rq.utils import now
+from rq.utils import as_text, now
 
 HEARTBEAT_TTL_S = 60
 """How long a started job stays in its started registry without a heartbeat (the worker beats every second)."""
@@ -30,6 +30,31 @@ def take(queues: list[Queue], connection: redis.Redis, wait_s: int | None = None
     except DequeueTimeout:
         return None
     return found if found else None
+
+
+def peek(queues: list[Queue], connection: redis.Redis, depth: int) -> list[tuple[Queue, list[str]]]:
+    """The first `depth` job ids of each queue, in one round trip, without taking them."""
+    with connection.pipeline(transaction=False) as pipe:
+        for queue in queues:
+            pipe.lrange(queue.key, 0, depth - 1)
+        found = pipe.execute()
+    return [(queue, [as_text(i) for i in ids]) for queue, ids in zip(queues, found, strict=True)]
+
+
+def kinds(job_ids: list[str], connection: redis.Redis) -> dict[str, str | None]:
+    """What each job runs (its function name: the request kind), in one round trip; None if it is gone."""
+    jobs = Job.fetch_many(job_ids, connection=connection, serializer=JSONSerializer)
+    return {job_id: (job.func_name if job is not None else None) for job_id, job in zip(job_ids, jobs, strict=True)}
+
+
+def claim(queue: Queue, job_id: str) -> Job | None:
+    """Take one particular job off its queue (None if another worker took it first)."""
+    if not queue.remove(job_id):  # LREM: exactly one worker removes it
+        return None
+    try:
+        return Job.fetch(job_id, connection=queue.connection, serializer=JSONSerializer)
+    except NoSuchJobError:
+        return None
 
 
 def start(job: Job, worker_name: str) -> Execution:

@@ -1,21 +1,25 @@
 """The scheduler: the worker's main loop, the one thread that touches MLX.
 
 It takes jobs from the queues (RQ's API, workers/rqjobs.py), parses each one's request once
-(jobs.contract) and runs it through its backend in pieces (workers/backends/base.py). Two lanes,
-one task each: `interactive` (synchronous calls) and `batch` (async jobs). The interactive task
-always advances first; the batch task advances only while no interactive work waits, so a long
-transcription yields to a chat at its next window (interactive work waits at most one piece) and
-picks up where it was. Jobs of one lane run in queue order.
+(jobs.contract), and runs them:
 
-Between two pieces of a task the scheduler also checks its deadline (the RQ job's timeout, counted
-while it runs). Nothing interrupts a piece from outside, so a model load or a window is never cut
-in the middle.
+- **Text** requests for one model decode together in that model's batch (workers/backends/
+  textbatch.py): a request joins at the next step, leaves when it is done or canceled. One piece
+  of work is one step of a batch, for everyone in it.
+- **Solo** requests (transcriptions, and text on a model that cannot batch) run one per queue, in
+  pieces (a backend's `run`, workers/backends/base.py): the interactive one before the batch one.
 
-Stopping: a warm stop (SIGTERM) takes no new jobs, lets the interactive task finish, and hands a
-resumable batch task back to the queue at its next piece (it continues from its checkpoint on the
-next worker); a cold stop (a second SIGTERM) ends every task with `worker_shutdown`. A Redis outage
-longer than the connection's own retries (about a minute) never ends the worker: it waits for Redis,
-then hands back what can resume and fails the rest.
+While text decodes, a transcription still gets a window after every SPEECH_TURN_S of it (so text
+waits at most one window, and a long transcription keeps going); with no text, windows follow one
+another. While anything runs, the queues are looked at every ADMIT_EVERY_S for work that can join:
+text while the batches have room (MLXQ_MAX_BATCH), a transcription when its queue's solo slot is
+free; a chat may overtake a transcription still waiting in the same queue. With nothing to do, the
+scheduler waits on the queues.
+
+A job's deadline (its RQ timeout) is checked between pieces; nothing interrupts a piece from
+outside. A warm stop takes no new job, lets text finish and hands a resumable transcription back
+to the queue at its next window; a cold stop ends everything with `worker_shutdown`. A Redis outage
+longer than the connection's own retries is waited out, then what can resume is handed back.
 """
 
 from __future__ import annotations
@@ -23,64 +27,66 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 import redis
+from mlx_lm.models.cache import LRUPromptCache
 from rq.job import Job
 
-from jobs import contract, records
-from jobs.errors import JobError, JobTimeout, WorkerShutdown
+from jobs import contract
+from jobs.errors import InvalidRequest, JobError, JobTimeout, WorkerShutdown
 from jobs.lifecycle import JobRun
-from jobs.queues import BATCH, INTERACTIVE, WORKER_QUEUES, get_queue
+from jobs.queues import BATCH, CHAT_COMPLETION, INTERACTIVE, TEXT_COMPLETION, WORKER_QUEUES, get_queue
 from jobs.settings import Settings
 from workers import rqjobs
 from workers.backends.base import Outcome
-from workers.recovery import enqueue_continuation
+from workers.backends.textbatch import TextBatch, batchable
+from workers.backends.textgen import reset_random_state
+from workers.running import Task, fail, fail_all, finish, hand_back, resumable, ride_out_redis
 
 log = logging.getLogger(__name__)
 
 POLL_S = 1
 """Longest wait for a job while the worker has nothing to do (then it looks again)."""
 
-DEFAULT_TIMEOUT_S = 3600
-"""A job's time limit when its RQ job names none."""
+ADMIT_EVERY_S = 0.02
+"""While work runs, how often the queues are looked at for work that could join it."""
 
+ADMIT_DEPTH = 16
+"""How far into each queue a look reaches (a chat may overtake transcriptions waiting before it)."""
+
+SPEECH_TURN_S = 1.0
+"""While text decodes, a transcription gets its next window after this much decoding."""
+
+TEXT_KINDS = frozenset({CHAT_COMPLETION, TEXT_COMPLETION})
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 
 
-@dataclass
-class Task:
-    """A job being run: its RQ job, its request, its lifecycle handle and its backend's run."""
-
-    job: Job
-    execution: object
-    request: contract.Request
-    run: JobRun
-    backend: object
-    timeout_s: float
-    gen: object = None
-    used_s: float = 0.0  # time spent running its pieces (pauses for interactive work don't count)
-
-
 class Scheduler:
-    """Runs the worker's jobs through the backends, interactive before batch, until stopped."""
+    """Runs the worker's jobs through the backends until stopped."""
 
     def __init__(self, conn: redis.Redis, settings: Settings, models, backends: dict, name: str,
-                 burst: bool = False):
+                 burst: bool = False, max_batch: int = 8):
         self.conn, self.settings, self.models, self.backends = conn, settings, models, backends
-        self.name, self.burst = name, burst
+        self.name, self.burst, self.max_batch = name, burst, max_batch
         self.queues = {queue: get_queue(queue, conn) for queue in WORKER_QUEUES}
-        self.lanes: dict[str, Task | None] = {INTERACTIVE: None, BATCH: None}
+        self.text: dict[str, TextBatch] = {}
+        self.solo: dict[str, Task | None] = {INTERACTIVE: None, BATCH: None}
+        self.prompt_cache = LRUPromptCache(max_size=64, max_bytes=settings.prompt_cache_mb * 2**20)
         self.stopping = self.cold = False
         self._lock = threading.Lock()
+        self._running: set[Task] = set()  # every task from its start to its end
+        self._kinds: dict[str, str | None] = {}
+        self._next_look = 0.0
+        self._text_since_solo = 0.0  # seconds of batch steps since a solo task last had a piece
+        self._turn = 0
 
     def active(self) -> list[Task]:
-        """The tasks in progress (read by the heartbeat thread)."""
+        """The tasks in progress (the heartbeat thread reads them too)."""
         with self._lock:
-            return [task for task in self.lanes.values() if task is not None]
+            return list(self._running)
 
     def stop(self, cold: bool = False) -> None:
-        """Ask the loop to stop: warm (finish what runs, hand back batch work) or cold (end it all now)."""
+        """Ask the loop to stop: warm (finish text, hand back a transcription) or cold (end it all now)."""
         self.stopping = True
         self.cold = self.cold or cold
 
@@ -93,128 +99,187 @@ class Scheduler:
                 if not self.step() and (self.stopping or self.burst):
                     return
             except REDIS_DOWN as exc:
-                self._ride_out_redis(exc)
+                ride_out_redis(self, exc)
 
     def step(self) -> bool:
-        """Take a job if a lane is free, then run one piece of the most urgent task; False if there was none."""
+        """Take jobs that can start, then run one piece of work; False if there was nothing to do."""
         took = self._admit()
-        task = self.lanes[INTERACTIVE] or self.lanes[BATCH]
-        if task is None:
+        unit = self._pick()
+        if unit is None:
             return took
-        self._advance(task)
+        if isinstance(unit, TextBatch):
+            self._step_batch(unit)
+        else:
+            self._advance(unit)
         return True
 
+    # --- taking jobs ---------------------------------------------------------------------------
+
     def _admit(self) -> bool:
-        """Take the next job a free lane can run; wait for one only when there is nothing to do."""
-        if self.stopping or self.lanes[INTERACTIVE] is not None:
+        """Start what can start: anything when idle (waiting for it), else what fits beside the work."""
+        if self.stopping:
             return False
-        idle = self.lanes[BATCH] is None
-        names = [INTERACTIVE, BATCH] if idle else [INTERACTIVE]
-        taken = rqjobs.take([self.queues[n] for n in names], self.conn, POLL_S if idle and not self.burst else None)
-        if taken is not None:
-            self._begin(*taken)
-        return taken is not None
+        if not self.active():
+            taken = rqjobs.take(list(self.queues.values()), self.conn, None if self.burst else POLL_S)
+            if taken is not None:
+                self._begin(*taken)
+            return taken is not None
+        if time.monotonic() < self._next_look:
+            return False
+        self._next_look = time.monotonic() + ADMIT_EVERY_S
+        took = False
+        for queue, ids in rqjobs.peek(list(self.queues.values()), self.conn, ADMIT_DEPTH):
+            for job_id in ids:
+                if self._has_room(self._kind(job_id, ids), queue.name):
+                    job = rqjobs.claim(queue, job_id)
+                    if job is not None:
+                        self._begin(job, queue)
+                        took = True
+        return took
+
+    def _kind(self, job_id: str, neighbours: list[str]) -> str | None:
+        """A queued job's kind (its RQ function name), fetched once for it and the jobs around it."""
+        if job_id not in self._kinds:
+            if len(self._kinds) > 4096:
+                self._kinds.clear()
+            self._kinds.update(rqjobs.kinds([i for i in neighbours if i not in self._kinds], self.conn))
+        return self._kinds.get(job_id)
+
+    def _has_room(self, kind: str | None, queue: str) -> bool:
+        if kind in TEXT_KINDS:  # while a request waits for memory, no other joins
+            batches = self.text.values()
+            return sum(len(b) for b in batches) < self.max_batch and not any(b.waiting for b in batches)
+        return self.solo[queue] is None and (queue == INTERACTIVE or self.solo[INTERACTIVE] is None)
 
     def _begin(self, job: Job, queue) -> None:
-        """Record the job started and make it its lane's task (or fail it if its request is unreadable)."""
+        """Record the job started, parse its request and put it where it runs (or fail it)."""
         execution = rqjobs.start(job, self.name)
         payload = job.args[0] if job.args and isinstance(job.args[0], dict) else {}
         run = JobRun(self.conn, self.settings, str(payload.get("id") or job.id), rq_job_id=job.id,
                      has_record=bool(payload.get("is_async", True)))
-        try:
-            request = contract.parse(payload)
-            backend = self.backends[request.kind]
-        except (JobError, KeyError) as exc:
-            data = run.fail(exc if isinstance(exc, JobError) else JobError(f"no backend for {exc}"))
-            return rqjobs.fail(job, execution, f"{data['code']}: {data['message']}")
-        run.start(attempts=getattr(request, "attempts", 1))
-        task = Task(job, execution, request, run, backend, float(job.timeout or DEFAULT_TIMEOUT_S))
+        task = Task(job, execution, None, run, None, queue.name, float(job.timeout or 3600))
         with self._lock:
-            self.lanes[queue.name] = task
+            self._running.add(task)
+        try:
+            task.request = contract.parse(payload)
+            task.backend = self.backends[task.request.kind]
+            run.start(attempts=getattr(task.request, "attempts", 1))
+            if task.request.kind == "text" and self._batch_for(task.request) is not None:
+                self._batch_for(task.request).add(task)
+            else:
+                self._set_solo(queue.name, task)
+        except REDIS_DOWN:
+            raise
+        except Exception as exc:  # a request that cannot run (unreadable, too long, no such model...)
+            return fail(self, task, exc)
         log.info("%s: started %s (%s)", queue.name, job.id, job.description)
 
+    def _batch_for(self, request) -> TextBatch | None:
+        """The batch of the request's model, made when its first request comes (None: it cannot batch)."""
+        if request.model.kind != "text":
+            raise InvalidRequest(f"model {request.model.id!r} is a {request.model.kind} model; this endpoint "
+                                 "needs a text model", code="invalid_model", param="model")
+        key = str(request.model.path)
+        if key not in self.text:
+            resident = self.models.get(request.model, pinned=set(self.text))
+            if not batchable(resident.model):
+                return None
+            with self._lock:
+                self.text[key] = TextBatch(resident, self.settings, self.prompt_cache, self.max_batch, self.models)
+        return self.text[key]
+
+    def _set_solo(self, lane: str, task: Task) -> None:
+        if self.solo[lane] is not None:  # a text request on a model that cannot batch, while another runs
+            raise JobError("the worker is busy with another request that cannot share it; retry", status=503,
+                           code="worker_busy")
+        with self._lock:
+            self.solo[lane] = task
+
+    # --- running pieces --------------------------------------------------------------------------
+
+    def _pick(self):
+        """The next piece of work: a batch step, or a solo task's piece when it is due."""
+        solo = self.solo[INTERACTIVE] or self.solo[BATCH]
+        batches = [batch for batch in self.text.values() if len(batch)]
+        if not batches:
+            return solo
+        self._turn += 1
+        if solo is not None:
+            text_solo = solo.request is not None and solo.request.kind == "text"
+            if (text_solo and self._turn % 2) or self._text_since_solo >= SPEECH_TURN_S:
+                return solo
+        return batches[self._turn % len(batches)]
+
+    def _step_batch(self, batch: TextBatch) -> None:
+        """One step of a batch: end the requests that finished, were canceled or ran out of time."""
+        started = time.monotonic()
+        try:
+            ended = batch.step()
+        except REDIS_DOWN:
+            raise
+        except Exception as exc:  # the model failed for everyone in the batch
+            reset_random_state()
+            ended = [(task, exc) for task in batch.tasks]
+            for task, _ in ended:
+                batch.remove(task)
+        now = time.monotonic()
+        self._text_since_solo += now - started
+        for task in batch.tasks:
+            if now - task.started > task.timeout_s:
+                batch.remove(task)
+                ended.append((task, JobTimeout(f"the job ran past its time limit of {task.timeout_s:g}s")))
+        for task, result in ended:
+            finish(self, task, result) if isinstance(result, Outcome) else fail(self, task, result)
+        if not len(batch):
+            self._drop_batch(batch)
+
+    def _drop_batch(self, batch: TextBatch) -> None:
+        with self._lock:
+            self.text.pop(batch.key, None)
+        batch.close()
+
     def _advance(self, task: Task) -> None:
-        """Run one piece of a task; end it when it is done, fails, is canceled or runs out of time."""
+        """Run one piece of a solo task; end it when it is done, fails or runs out of time."""
         started = time.monotonic()
         try:
             if task.used_s > task.timeout_s:
                 raise JobTimeout(f"the job ran past its time limit of {task.timeout_s:g}s")
-            if self.stopping and self._resumable(task) and task.gen is not None:
-                return self._hand_back(task)
-            if task.gen is None:  # a job canceled while it waited ends at its first publish
+            if self.stopping and resumable(task) and task.gen is not None:
+                return hand_back(self, task)
+            if task.gen is None:
                 task.gen = task.backend.run(task.request, task.run, self.models)
             item = next(task.gen)
         except StopIteration:
-            return self._fail(task, RuntimeError("the backend ended without an answer"))
+            return fail(self, task, RuntimeError("the backend ended without an answer"))
         except REDIS_DOWN:
             raise
         except Exception as exc:  # a client-facing error (jobs.errors) or an unexpected one: the job ends
-            return self._fail(task, exc)
+            return fail(self, task, exc)
         finally:
+            self._text_since_solo = 0.0  # text gets SPEECH_TURN_S of steps before the next piece
             task.used_s += time.monotonic() - started
         if isinstance(item, Outcome):
-            self._finish(task, item)
+            finish(self, task, item)
 
-    def _finish(self, task: Task, outcome: Outcome) -> None:
-        """End a task with its answer, then close its run (the answer is out first)."""
-        task.run.finish(outcome.done, outcome.result, outcome.before)
-        rqjobs.succeed(task.job, task.execution, outcome.done)
-        self._close(task)
-        log.info("finished %s in %.2fs", task.job.id, task.used_s)
-
-    def _fail(self, task: Task, exc: BaseException) -> None:
-        """End a task with the error `exc` means to a client."""
-        data = task.run.fail(exc)
-        rqjobs.fail(task.job, task.execution, f"{data['code']}: {data['message']}")
-        self._close(task)
-        log.info("failed %s: %s %s", task.job.id, data["status"], data["code"])
-
-    def _hand_back(self, task: Task) -> None:
-        """Stop a resumable task between pieces; a continuation from its checkpoint goes first in `batch`."""
-        continuation = enqueue_continuation(self.conn, self.settings, task.job, task.request)
-        records.update(self.conn, task.run.job_id, rq_job_id=continuation.id)
-        rqjobs.succeed(task.job, task.execution, {"handed_back_to": continuation.id})
-        self._close(task)
-        log.info("handed %s back to the queue as %s", task.run.job_id, continuation.id)
-
-    def _close(self, task: Task) -> None:
-        """Close the task's run (its backend's cleanup) and free its lane."""
+    def release(self, task: Task) -> None:
+        """Close a task's run (its backend's cleanup) and free its place."""
         try:
             if task.gen is not None:
                 task.gen.close()
         except Exception:  # closing never decides the job's outcome, which is already recorded
             log.exception("closing the run of %s failed", task.job.id)
         with self._lock:
-            for lane, current in self.lanes.items():
+            self._running.discard(task)
+            for lane, current in self.solo.items():
                 if current is task:
-                    self.lanes[lane] = None
+                    self.solo[lane] = None
+        for batch in list(self.text.values()):
+            if task in batch.tasks:
+                batch.remove(task)
+                if not len(batch):
+                    self._drop_batch(batch)
 
-    def _resumable(self, task: Task) -> bool:
-        return task.backend.resumable and task.request.is_async
 
     def _end_all(self, reason: JobError) -> None:
         """Cold stop: end every task in progress with `reason`."""
-        for task in self.active():
-            self._fail(task, reason)
-
-    def _ride_out_redis(self, exc: Exception) -> None:
-        """Redis stayed away past the connection's retries: wait for it, then settle the tasks in progress."""
-        log.error("Redis unreachable (%s); waiting for it to come back", exc)
-        delay = 0.5
-        while not self.cold:
-            try:
-                self.conn.ping()
-                break
-            except REDIS_DOWN:
-                time.sleep(delay)
-                delay = min(delay * 2, 10.0)
-        log.warning("Redis is back")
-        for task in self.active():
-            try:
-                if self._resumable(task) and task.gen is not None:
-                    self._hand_back(task)  # nothing is lost: it resumes from its last checkpoint
-                else:
-                    self._fail(task, JobError("the queue (Redis) was unreachable while this job ran", status=503,
-                                              code="queue_unavailable"))
-            except REDIS_DOWN:
-                return  # gone again: the next round of the loop waits again
+        fail_all(self, self.active(), reason)

@@ -39,7 +39,7 @@ def assert_envelope(response, status: int, code: str | None = None, param: str |
     ({"messages": QUESTION, "max_tokens": 0}, "max_tokens"),
     ({"messages": QUESTION, "max_tokens": 10**7}, "max_tokens"),
     ({"messages": QUESTION, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"messages": QUESTION, "n": 3}, "n"),
+    ({"messages": QUESTION, "n": 9}, "n"),
     ({"messages": QUESTION, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"messages": QUESTION, "logprobs": True}, "logprobs"),
     ({"messages": QUESTION, "response_format": {"type": "json_object"}}, "response_format"),

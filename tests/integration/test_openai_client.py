@@ -48,5 +48,5 @@ def test_errors_surface_as_openai_exceptions(openai_client):
         openai_client.chat.completions.create(model="no-such-model", messages=QUESTION)
     assert info.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as info:
-        openai_client.chat.completions.create(model=MODEL, messages=QUESTION, n=2)
+        openai_client.chat.completions.create(model=MODEL, messages=QUESTION, n=9)
     assert info.value.body["param"] == "n"

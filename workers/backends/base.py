@@ -10,8 +10,8 @@ A backend serves one kind of request on one kind of model:
   backend may keep resources until the answer is out (mlx-lm's generator on an Apple GPU waits for
   the token it computes ahead when closed). Errors raised end the job with their jobs.errors meaning.
 
-The continuous-batching issue extends this with a text backend that advances many requests per
-step; the scheduler's lanes and this protocol are where it goes (docs/architecture.md).
+Text on a model that can batch does not run this way: its requests decode together in the model's
+`textbatch.TextBatch`, one step for all; `TextBackend.run` serves the models that cannot.
 """
 
 from __future__ import annotations

@@ -38,7 +38,8 @@ class TextBackend:
         resident = models.get(request.model)
         interval = job.settings.stream_interval_ms / 1000
         choices, prompt_tokens, completion_tokens, held = [], 0, 0, []
-        for index, prompt in enumerate(request.inputs):
+        inputs = [prompt for prompt in request.inputs for _ in range(request.n)]  # choice i*n + k
+        for index, prompt in enumerate(inputs):
             if held:  # the previous choice's last delta goes out now; its reply reports a cancel
                 job.publish(held)
             elif index:
@@ -53,7 +54,7 @@ class TextBackend:
             prompt_tokens += final.prompt_tokens
             completion_tokens += final.tokens
             held = [(DELTA, {"index": index, "text": last_delta})] if last_delta else []
-            if index < len(request.inputs) - 1:
+            if index < len(inputs) - 1:
                 pieces.close()
         result = TextResult(request.model.id, choices, prompt_tokens, completion_tokens, int(time.time()))
         try:

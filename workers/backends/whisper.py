@@ -96,7 +96,7 @@ class ChunkResult:
 
 
 def load(path: Path, float32: bool = False):
-    """Load an mlx-audio Whisper model (tokenizer included); (model, None) as the registry expects."""
+    """Load an mlx-audio Whisper model (tokenizer included); (model, None) as the model manager expects."""
     from mlx_audio.stt import load as load_stt
 
     model = load_stt(str(path))

@@ -1,0 +1,126 @@
+"""Concurrency benchmark: N streaming chats at once, mlxq vs mlx_lm.server on the same model, one run.
+
+For each N (and each server, in alternating order), N clients each stream a 128-token greedy chat
+with a prompt of their own, all started together. Reported per N and server: aggregate tokens/s
+(every stream's completion tokens over the wall time from the first request to the last token),
+time to first token p50/p99, and failed requests (an HTTP error, a dropped connection or a stream
+that ended without its last chunk). Also direct mlx-lm's single-stream decode, for the N = 1 ratio.
+
+    python bench/bench_concurrency.py --model DIR [--n 1,8,32,64] [--max-tokens 128] [--out r.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from bench.bench_text import (  # noqa: E402
+    Direct,
+    reexec_with_worker_blas,
+    same_weights_everywhere,
+    start_mlx_lm_server,
+    start_mlxq,
+)
+from bench.common import KeepAliveClient, percentile, start_redis, write_report  # noqa: E402
+
+TOPICS = ["a lighthouse", "a dragon", "the sea", "a city at night", "an old map", "a garden", "a river", "a train"]
+
+
+def one_stream(base: str, model: str, index: int, max_tokens: int, started: float, out: dict) -> None:
+    """Stream one chat; record its time to first token, completion tokens and end (or its failure)."""
+    client = KeepAliveClient(base, timeout=600)
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": f"Request {index}: write a long story about "
+                                                     f"{TOPICS[index % len(TOPICS)]}, number {index}."}]}
+    first = tokens = None
+    finished = False
+    try:
+        for line in client.stream_lines("/v1/chat/completions", body):
+            if line == "data: [DONE]":
+                finished = True
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if first is None and chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+                first = time.perf_counter()
+        end = time.perf_counter()
+        ok = finished and tokens is not None and first is not None
+        out[index] = {"ok": ok, "ttft": (first - started) if first else None, "tokens": tokens or 0, "end": end,
+                      "decode_tps": (tokens - 1) / (end - first) if ok and tokens > 1 and end > first else None}
+    except Exception as exc:  # noqa: BLE001 (every failure counts, whatever it is)
+        out[index] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:200], "end": time.perf_counter()}
+    finally:
+        client.close()
+
+
+def round_of(server, n: int, max_tokens: int) -> dict:
+    """N streams at once against one server; its aggregate figures."""
+    results: dict[int, dict] = {}
+    started = time.perf_counter()
+    threads = [threading.Thread(target=one_stream, args=(server.base, server.model, i, max_tokens, started, results))
+               for i in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(900)
+    ok = [r for r in results.values() if r["ok"]]
+    wall = max((r["end"] for r in results.values()), default=started) - started
+    ttfts = [r["ttft"] for r in ok]
+    decode = [r["decode_tps"] for r in ok if r.get("decode_tps")]
+    return {"n": n, "completed": len(ok), "failed": n - len(ok),
+            "per_stream_decode_tps_p50": statistics.median(decode) if decode else None,
+            "aggregate_tps": sum(r["tokens"] for r in ok) / wall if wall > 0 else 0.0,
+            "ttft_p50_s": percentile(ttfts, 50) if ttfts else None, "ttft_p99_s": percentile(ttfts, 99) if ttfts else None,
+            "wall_s": wall, "errors": sorted({r["error"] for r in results.values() if "error" in r})[:5]}
+
+
+def main() -> None:
+    """Start both servers, run every N against each, print the report."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--n", default="1,8,32,64")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    reexec_with_worker_blas()
+    counts = [int(n) for n in args.n.split(",")]
+    report = {"machine": platform.node(), "platform": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M"),
+              "model": str(args.model), "max_tokens": args.max_tokens, "command": " ".join(sys.argv)}
+    redis_url, redis_proc = start_redis()
+    servers = []
+    try:
+        model_dir = same_weights_everywhere(args.model)
+        direct = Direct(model_dir)
+        direct.decode(16)  # warm-up
+        report["direct_decode_tps"] = statistics.median(direct.decode(args.max_tokens) for _ in range(3))
+        del direct
+        servers = [start_mlxq(model_dir, redis_url), start_mlx_lm_server(model_dir)]
+        for server in servers:
+            round_of(server, 2, 16)  # warm-up
+        for i, n in enumerate(counts):
+            for server in (servers if i % 2 == 0 else servers[::-1]):
+                report.setdefault(server.name, {})[str(n)] = round_of(server, n, args.max_tokens)
+    finally:
+        for server in servers:
+            server.close()
+        redis_proc.stop()
+    for name in ("mlxq", "mlx_lm_server"):
+        single = report.get(name, {}).get("1", {}).get("per_stream_decode_tps_p50")
+        if single:
+            report[f"{name}_single_stream_decode_vs_direct"] = single / report["direct_decode_tps"]
+    write_report(report, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The concurrency benchmark on the lent GPU machine: random bf16 weights in the Llama-1B shape.
+#   bench/device/concurrency.sh CONFIG_DIR OUT_DIR [bench_concurrency.py options...]
+# CONFIG_DIR holds a SmolLM2 config.json and its tokenizer files (e.g. the demo model's store entry).
+set -euo pipefail
+cfg=$1; out=$2; shift 2
+trap 'cp /tmp/mlxq-bench-*.log "$out"/ 2>/dev/null || true' EXIT  # the servers' logs, for a failed run
+"${PYTHON:-python3}" bench/make_random_model.py --config-dir "$cfg" --out /tmp/m1b --dtype bfloat16 \
+    --hidden 2048 --layers 16 --heads 32 --kv-heads 8 --intermediate 8192 >/dev/null
+"${PYTHON:-python3}" bench/bench_concurrency.py --model /tmp/m1b --out "$out/concurrency-m1b.json" "$@" > /dev/null
+"${PYTHON:-python3}" -c "
+import json, sys
+r = json.load(open(sys.argv[1]))
+for name in ('mlxq', 'mlx_lm_server'):
+    for n, c in r[name].items():
+        print(name, n, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in c.items() if k != 'errors'}, c['errors'][:1])
+print('direct decode', round(r['direct_decode_tps'], 1), 'single-stream ratios',
+      {k: round(v, 3) for k, v in r.items() if k.endswith('_vs_direct')})" "$out/concurrency-m1b.json"
