@@ -259,3 +259,36 @@ def test_a_long_prompt_is_processed_in_chunks_between_the_others_tokens(redis_co
         assert ours.tokens == before + 1  # every step still gave the short request its next token
     run.run()
     assert texts(done(redis_conn, short.id)) == texts(alone(redis_conn, settings, worker_parts, short))
+
+
+LONG_PROMPT = "Summarise this: " + "the quick brown fox jumps over the lazy dog. " * 150
+
+
+@pytest.mark.parametrize(("question", "sampling", "joined_while"), [
+    (QUESTIONS[2], {}, "decoding"),
+    (QUESTIONS[2], {"temperature": 0.9, "seed": 7, "repetition_penalty": 1.3}, "decoding"),
+    (LONG_PROMPT, {}, "prefilling"),
+])
+def test_a_request_decoding_alone_is_taken_over_by_the_batch_with_the_same_text(
+        redis_conn, settings, worker_parts, question, sampling, joined_while):
+    first = chat(settings, question, max_tokens=30, **sampling)
+    submit(redis_conn, settings, first)
+    run = scheduler(redis_conn, settings, worker_parts)
+
+    def alone_and(state) -> bool:
+        solo = next((b.solo for b in run.text.values() if b.solo), None)
+        if solo is None:
+            return False
+        seq, decoder = solo
+        return seq.tokens >= 5 if state == "decoding" else bool(decoder.fed) and not decoder.decoding
+
+    step_until(run, lambda: alone_and(joined_while))
+    second = chat(settings, QUESTIONS[4], max_tokens=30)
+    submit(redis_conn, settings, second)
+    run._next_look = 0.0  # look at the queue at the next step
+    step_until(run, lambda: sum(len(b) for b in run.text.values()) == 2)
+    [batch] = run.text.values()
+    assert batch.solo is None and batch.sequences == 2  # the batched generator has both
+    run.run()
+    for request in (first, second):
+        assert texts(done(redis_conn, request.id)) == texts(alone(redis_conn, settings, worker_parts, request))

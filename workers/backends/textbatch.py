@@ -7,15 +7,17 @@ its own sampler (workers/backends/sampling.py), stop strings (matched on text, n
 token budget and usage count. A finished sequence's KV cache goes to the worker's prompt cache, from
 which a later request that starts the same way (a system prompt, a conversation's earlier turns)
 resumes instead of processing that prefix again.
+
+A request that is alone, with one choice, decodes on its own (workers/backends/solo.py), at the
+speed of a single stream; when another joins, the batch takes it over, cache and all.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
+import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, make_stop_sequences
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
@@ -24,39 +26,11 @@ from jobs.errors import Canceled, ModelTooLarge
 from jobs.events import DELTA
 from workers.backends import sampling, textgen
 from workers.backends.base import Outcome
+from workers.backends.choice import Member, Sequence
+from workers.backends.solo import SoloDecoder
 
 PREFILL_CHUNK = 512
 """Prompt tokens processed per step: how long a new prompt may hold up the others' next token."""
-
-
-@dataclass
-class Sequence:
-    """One choice being generated."""
-
-    task: object
-    index: int
-    prompt_tokens: int
-    cached_tokens: int
-    detokenizer: object
-    stops: textgen.StopBuffer
-    parts: list[str] = field(default_factory=list)
-    pending: str = ""  # generated since its last delta went out
-    tokens: int = 0
-    finish_reason: str | None = None
-
-
-@dataclass
-class Member:
-    """A request in the batch: its sequences and when its deltas last went out."""
-
-    task: object
-    sequences: list[Sequence]
-    last_sent: float = -math.inf
-
-    @property
-    def done(self) -> bool:
-        """Whether every one of its sequences has finished."""
-        return all(s.finish_reason for s in self.sequences)
 
 
 def kv_bytes_per_token(model, float32: bool) -> int:
@@ -89,6 +63,7 @@ class TextBatch:
         self.stop_tokens = make_stop_sequences(self.tokenizer)
         self.members: dict[object, Member] = {}
         self.by_uid: dict[int, Sequence] = {}
+        self.solo: tuple[Sequence, SoloDecoder] | None = None  # the lone sequence, decoding on its own
         self.interval = settings.stream_interval_ms / 1000
 
     def __len__(self) -> int:
@@ -102,7 +77,7 @@ class TextBatch:
     @property
     def sequences(self) -> int:
         """How many choices are being generated."""
-        return len(self.by_uid)
+        return len(self.by_uid) + (self.solo is not None)
 
     def add(self, task) -> None:
         """Join the batch at the next step: one sequence per input and choice (`n`)."""
@@ -135,7 +110,10 @@ class TextBatch:
             self.waiting.popleft()
             self.reserved[task] = need
             request = task.request
-            sequences = [self._insert(task, i * request.n + copy, ids, budget, copy)
+            alone = not self.members and not self.waiting and len(prompts) * request.n == 1
+            if not alone and self.solo is not None:
+                self._hand_over()
+            sequences = [self._insert(task, i * request.n + copy, ids, budget, copy, alone)
                          for i, (ids, budget) in enumerate(prompts) for copy in range(request.n)]
             self.members[task] = Member(task, sequences)
 
@@ -146,6 +124,8 @@ class TextBatch:
         member = self.members.pop(task, None)
         if member is None:
             return
+        if self.solo is not None and self.solo[0].task is task:
+            self.solo = None
         uids = [uid for uid, seq in self.by_uid.items() if seq.task is task]
         self.generator.remove(uids)
         for uid in uids:
@@ -155,11 +135,14 @@ class TextBatch:
         """One decode step of the batch (and one prefill chunk); the requests that ended in it, each
         with its answer or the error that ended it (a cancel)."""
         self._let_in()
+        if self.solo is not None:
+            self._step_solo()
+            return self._publish_and_collect()
         _, responses = self.generator.next()
         stopped = []  # ended by one of our stop strings: mlx-lm still counts them as running
         for response in responses:
             seq = self.by_uid.get(response.uid)
-            if seq is None or not self._advance(seq, response.token, response.finish_reason):
+            if seq is None or not seq.advance(response.token, response.finish_reason):
                 continue
             del self.by_uid[response.uid]
             if response.finish_reason is None:
@@ -169,17 +152,23 @@ class TextBatch:
         if stopped:
             for cache, tokens in self.generator.remove(stopped, return_prompt_caches=True).values():
                 self.prompt_cache.insert_cache(self.key, list(tokens), cache)
-        if responses and self.prompt_cache.nbytes:  # kept caches never crowd out running requests
-            self.prompt_cache.trim_to(n_bytes=max(0, self._kv_memory() - sum(self.reserved.values())))
+        if responses:
+            self._trim_kept()
         return self._publish_and_collect()
+
+    def _trim_kept(self) -> None:
+        """Kept caches never crowd out running requests."""
+        if self.prompt_cache.nbytes:
+            self.prompt_cache.trim_to(n_bytes=max(0, self._kv_memory() - sum(self.reserved.values())))
 
     def _prompt_ids(self, prompt) -> list[int]:
         if isinstance(prompt, list):
             return textgen.chat_prompt(self.tokenizer, prompt)
         return textgen.text_prompt(self.tokenizer, prompt)
 
-    def _insert(self, task, index: int, ids: list[int], budget: int, copy: int) -> Sequence:
-        """Insert one sequence, resuming from the longest cached prefix of its prompt."""
+    def _insert(self, task, index: int, ids: list[int], budget: int, copy: int, alone: bool) -> Sequence:
+        """Start one sequence (on its own when `alone`), resuming from the longest cached prefix of its
+        prompt."""
         request = task.request
         cache, rest = self.prompt_cache.fetch_nearest_cache(self.key, ids)
         if cache is not None and not rest:  # the whole prompt is cached: its last token must be fed again
@@ -189,37 +178,46 @@ class TextBatch:
             else:
                 cache, rest = None, ids
         cached = len(ids) - len(rest)
-        (uid,) = self.generator.insert(
-            [rest], max_tokens=[budget], caches=[cache], all_tokens=[ids[:cached]],
-            samplers=[sampling.make_sampler(request.sampling, self.vocab, copy)],
-            logits_processors=[sampling.logits_processors(request.sampling)], stop_sequences=[self.stop_tokens])
+        sampler = sampling.make_sampler(request.sampling, self.vocab, copy)
+        processors = sampling.logits_processors(request.sampling)
         seq = Sequence(task, index, len(ids), cached, self.tokenizer.detokenizer,
                        textgen.StopBuffer(request.sampling.stop))
-        self.by_uid[uid] = seq
+        if alone:
+            self.solo = seq, SoloDecoder(self.resident.model, ids[:cached], rest, cache, sampler, processors,
+                                         budget, set(self.tokenizer.eos_token_ids), PREFILL_CHUNK)
+        else:
+            self._insert_batched(seq, rest, cache, ids[:cached], budget, sampler, processors)
         return seq
 
-    @staticmethod
-    def _advance(seq: Sequence, token: int, finish_reason: str | None) -> bool:
-        """Feed one generated token to its sequence; True when the sequence has finished.
+    def _insert_batched(self, seq, prompt, cache, fed, budget, sampler, processors) -> None:
+        (uid,) = self.generator.insert([prompt], max_tokens=[budget], caches=[cache], all_tokens=[fed],
+                                       samplers=[sampler], logits_processors=[processors],
+                                       stop_sequences=[self.stop_tokens])
+        self.by_uid[uid] = seq
 
-        mlx-lm's finish reasons: "stop" for an end-of-sequence token, "length" for the budget.
-        """
-        seq.tokens += 1  # an end-of-sequence token was generated too: it counts
-        if finish_reason == "stop":  # end of sequence: not part of the text
-            seq.detokenizer.finalize()
-        else:
-            seq.detokenizer.add_token(token)
-            if finish_reason:
-                seq.detokenizer.finalize()
-        text, matched = seq.stops.feed(seq.detokenizer.last_segment)
-        if matched:
-            finish_reason = "stop"
-        elif finish_reason:
-            text += seq.stops.flush()
-        seq.parts.append(text)
-        seq.pending += text
-        seq.finish_reason = finish_reason
-        return finish_reason is not None
+    def _step_solo(self) -> None:
+        """A prefill chunk or one token of the lone sequence; its cache is kept when it finishes."""
+        seq, solo = self.solo
+        with mx.stream(self.generator.stream):
+            out = solo.step()
+        if out is not None and seq.advance(*out):
+            self.solo = None
+            self.prompt_cache.insert_cache(self.key, list(solo.fed), solo.cache)
+            self._trim_kept()
+
+    def _hand_over(self) -> None:
+        """Move the lone sequence into the batched generator, which another request is joining."""
+        seq, solo = self.solo
+        self.solo = None
+        prompt = solo.rest
+        if solo.decoding:  # the token being computed is handed out; decoding goes on from it
+            with mx.stream(self.generator.stream):
+                token, finish_reason = solo.take_pending()
+            if seq.advance(token, finish_reason):
+                self.prompt_cache.insert_cache(self.key, list(solo.fed), solo.cache)
+                return
+            prompt = [token]
+        self._insert_batched(seq, prompt, solo.cache, solo.fed, solo.left, solo.sampler, solo.processors)
 
     def _publish_and_collect(self) -> list[tuple[object, Outcome | Exception]]:
         """Send the deltas that are due (one round trip for all); return the requests that ended:

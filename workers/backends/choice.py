@@ -1,0 +1,60 @@
+"""What one request holds while it decodes in a batch: its choices' text, stop strings and counts."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from workers.backends import textgen
+
+
+@dataclass
+class Sequence:
+    """One choice being generated."""
+
+    task: object
+    index: int
+    prompt_tokens: int
+    cached_tokens: int
+    detokenizer: object
+    stops: textgen.StopBuffer
+    parts: list[str] = field(default_factory=list)
+    pending: str = ""  # generated since its last delta went out
+    tokens: int = 0
+    finish_reason: str | None = None
+
+    def advance(self, token: int, finish_reason: str | None) -> bool:
+        """Feed one generated token; True when the sequence has finished.
+
+        mlx-lm's finish reasons: "stop" for an end-of-sequence token, "length" for the budget.
+        """
+        self.tokens += 1  # an end-of-sequence token was generated too: it counts
+        if finish_reason == "stop":  # end of sequence: not part of the text
+            self.detokenizer.finalize()
+        else:
+            self.detokenizer.add_token(token)
+            if finish_reason:
+                self.detokenizer.finalize()
+        text, matched = self.stops.feed(self.detokenizer.last_segment)
+        if matched:
+            finish_reason = "stop"
+        elif finish_reason:
+            text += self.stops.flush()
+        self.parts.append(text)
+        self.pending += text
+        self.finish_reason = finish_reason
+        return finish_reason is not None
+
+
+@dataclass
+class Member:
+    """A request in the batch: its sequences and when its deltas last went out."""
+
+    task: object
+    sequences: list[Sequence]
+    last_sent: float = -math.inf
+
+    @property
+    def done(self) -> bool:
+        """Whether every one of its sequences has finished."""
+        return all(s.finish_reason for s in self.sequences)
