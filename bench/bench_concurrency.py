@@ -4,9 +4,12 @@ For each N (and each server, in alternating order), N clients each stream a 128-
 with a prompt of their own, all started together. Reported per N and server: aggregate tokens/s
 (every stream's completion tokens over the wall time from the first request to the last token),
 time to first token p50/p99, and failed requests (an HTTP error, a dropped connection or a stream
-that ended without its last chunk). Also direct mlx-lm's single-stream decode, for the N = 1 ratio.
+that ended without its last chunk), each the median of `--rounds` rounds (failures: the sum).
+Before its rounds, each N is run once unmeasured on both servers: MLX compiles kernels for each new
+batch shape the first time it meets it (up to a second on CUDA), a cost a running service pays once.
+Direct mlx-lm's single-stream decode is measured beside each N = 1 round, for the N = 1 ratio.
 
-    python bench/bench_concurrency.py --model DIR [--n 1,8,32,64] [--max-tokens 128] [--out r.json]
+    python bench/bench_concurrency.py --model DIR [--n 1,8,32,64] [--max-tokens 128] [--rounds 3] [--out r.json]
 """
 
 from __future__ import annotations
@@ -85,12 +88,26 @@ def round_of(server, n: int, max_tokens: int) -> dict:
             "wall_s": wall, "errors": sorted({r["error"] for r in results.values() if "error" in r})[:5]}
 
 
+def combine(runs: list[dict]) -> dict:
+    """Several rounds of one N on one server: each figure's median, failures summed, every round kept."""
+    figures = ("per_stream_decode_tps_p50", "aggregate_tps", "ttft_p50_s", "ttft_p99_s", "wall_s")
+    out = {"n": runs[0]["n"], "rounds": len(runs), "completed": sum(r["completed"] for r in runs),
+           "failed": sum(r["failed"] for r in runs),
+           "errors": sorted({e for r in runs for e in r["errors"]})[:5]}
+    for key in figures:
+        values = [r[key] for r in runs if r[key] is not None]
+        out[key] = statistics.median(values) if values else None
+    out["each_round"] = [{k: r[k] for k in ("aggregate_tps", "ttft_p50_s", "failed")} for r in runs]
+    return out
+
+
 def main() -> None:
     """Start both servers, run every N against each, print the report."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--n", default="1,8,32,64")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     reexec_with_worker_blas()
@@ -103,21 +120,27 @@ def main() -> None:
         model_dir = same_weights_everywhere(args.model)
         direct = Direct(model_dir)
         direct.decode(16)  # warm-up
-        report["direct_decode_tps"] = statistics.median(direct.decode(args.max_tokens) for _ in range(3))
-        del direct
+        direct_runs = []
         servers = [start_mlxq(model_dir, redis_url), start_mlx_lm_server(model_dir)]
-        for server in servers:
-            round_of(server, 2, 16)  # warm-up
-        for i, n in enumerate(counts):
-            for server in (servers if i % 2 == 0 else servers[::-1]):
-                report.setdefault(server.name, {})[str(n)] = round_of(server, n, args.max_tokens)
+        for n in counts:
+            for server in servers:
+                round_of(server, n, 16)  # this N's batch shapes, compiled before they are timed
+            rounds: dict[str, list] = {server.name: [] for server in servers}
+            for r in range(args.rounds):
+                if n == 1:
+                    direct_runs.append(direct.decode(args.max_tokens))
+                for server in (servers if r % 2 == 0 else servers[::-1]):
+                    rounds[server.name].append(round_of(server, n, args.max_tokens))
+            for name, runs in rounds.items():
+                report.setdefault(name, {})[str(n)] = combine(runs)
+        report["direct_decode_tps"] = statistics.median(direct_runs) if direct_runs else None
     finally:
         for server in servers:
             server.close()
         redis_proc.stop()
     for name in ("mlxq", "mlx_lm_server"):
         single = report.get(name, {}).get("1", {}).get("per_stream_decode_tps_p50")
-        if single:
+        if single and report.get("direct_decode_tps"):
             report[f"{name}_single_stream_decode_vs_direct"] = single / report["direct_decode_tps"]
     write_report(report, args.out)
 

@@ -92,10 +92,21 @@ class EventPublisher:
 
     def publish_pipelined(self, batches: list[tuple[str, list[tuple[str, dict | None]]]]) -> list[bool]:
         """Publish several jobs' events in one round trip; whether each job's cancel flag is set."""
+        if len(batches) == 1:
+            return [self.publish_many(*batches[0])[1]]
+        calls = [self._keys_and_args(job_id, events) for job_id, events in batches]
+        try:
+            return self._run_all(calls)
+        except redis.exceptions.NoScriptError:  # a restarted Redis: load it, send again (the tokens make it safe)
+            self.connection.script_load(_PUBLISH_LUA)
+            return self._run_all(calls)
+
+    def _run_all(self, calls: list[tuple[list, list]]) -> list[bool]:
+        # EVALSHA directly: a pipeline running a registered script first asks SCRIPT EXISTS, one
+        # round trip more on every step of a batch.
         with self.connection.pipeline(transaction=False) as pipe:
-            for job_id, events in batches:
-                job_keys, args = self._keys_and_args(job_id, events)
-                self._script(keys=job_keys, args=args, client=pipe)
+            for job_keys, args in calls:
+                pipe.evalsha(self._script.sha, len(job_keys), *job_keys, *args)
             return [bool(canceled) for _, canceled in pipe.execute()]
 
     def error(self, job_id: str, data: dict) -> int:

@@ -13,6 +13,7 @@ import json, sys
 r = json.load(open(sys.argv[1]))
 for name in ('mlxq', 'mlx_lm_server'):
     for n, c in r[name].items():
-        print(name, n, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in c.items() if k != 'errors'}, c['errors'][:1])
+        print(name, n, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in c.items() if k not in ('errors', 'each_round')},
+              'rounds (tok/s, ttft):', [(round(x['aggregate_tps']), round(x['ttft_p50_s'] or -1, 3)) for x in c['each_round']], c['errors'][:1])
 print('direct decode', round(r['direct_decode_tps'], 1), 'single-stream ratios',
       {k: round(v, 3) for k, v in r.items() if k.endswith('_vs_direct')})" "$out/concurrency-m1b.json"

@@ -44,3 +44,13 @@ def test_a_resent_publish_is_applied_once(redis_conn, publisher):
     assert redis_conn.eval(_PUBLISH_LUA, 4, *job_keys, *args) == [1, 0]
     assert len(read_log(redis_conn, "job-d")) == 1
     assert publisher.publish("job-d", DELTA, {"text": "y"}) == 2  # a new publish goes on as usual
+
+
+def test_several_jobs_publish_in_one_round_trip_even_after_redis_lost_its_scripts(redis_conn, publisher):
+    redis_conn.set(keys.cancel_flag("job-f"), 1)
+    batches = [("job-e", [(DELTA, {"text": "a"})]), ("job-f", [(DELTA, {"text": "b"})])]
+    assert publisher.publish_pipelined(batches) == [False, True]
+    redis_conn.script_flush()  # what a restarted Redis has: no scripts
+    assert publisher.publish_pipelined([("job-e", [(DELTA, {"text": "c"})]), ("job-g", [(DONE, {})])]) == [False, False]
+    assert [e["data"]["text"] for e in read_log(redis_conn, "job-e")] == ["a", "c"]
+    assert read_log(redis_conn, "job-f") == [] and [e["type"] for e in read_log(redis_conn, "job-g")] == [DONE]
