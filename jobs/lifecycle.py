@@ -2,8 +2,8 @@
 
 However a job ends (done, failed, canceled, timed out, its worker dead), `end` does the same four
 things in the same order: the async job's record (result or error, final status), its webhook,
-the terminal event (a client who sees it and then reads the record finds the record final), and
-then what the job no longer needs: its checkpoint and its spooled upload. The worker ends the jobs it
+what the job no longer needs (its checkpoint and its spooled upload), and last the terminal event:
+a client who sees it finds the record final and nothing of the job left on disk. The worker ends the jobs it
 runs; readers (the web tier) and a starting worker end the jobs whose worker died.
 """
 
@@ -32,7 +32,7 @@ def publisher_for(conn: redis.Redis, settings: Settings) -> EventPublisher:
 def end(conn: redis.Redis, settings: Settings, job_id: str, *, result: dict | None = None,
         error: dict | None = None, done: dict | None = None, before: list | None = None,
         has_record: bool = True) -> bool:
-    """End a job: record, webhook, terminal event (`done`, else `error`), then cleanup; False if it had ended.
+    """End a job: record, webhook, cleanup, then the terminal event (`done`, else `error`); False if it had ended.
 
     `result`: what an async job's record keeps (defaults to `done`); `before`: events to publish just
     before the terminal one, in the same round trip; `has_record`: False for a synchronous call (it
@@ -41,12 +41,12 @@ def end(conn: redis.Redis, settings: Settings, job_id: str, *, result: dict | No
     status = records.SUCCEEDED if error is None else records.status_of_error(error)
     if has_record:
         _record_end(conn, settings, job_id, status, result if result is not None else done, error)
+    conn.delete(keys.checkpoint_key(job_id), keys.checkpoint_segments(job_id))
+    spool.discard(settings.spool_dir, job_id)
     terminal = (DONE, done or {}) if error is None else (ERROR, error)
     published, _ = publisher_for(conn, settings).publish_many(job_id, [*(before or []), terminal])
     if not published:  # another party ended it first: the record follows the logged terminal event
         settle(conn, settings, job_id, force=True)
-    conn.delete(keys.checkpoint_key(job_id), keys.checkpoint_segments(job_id))
-    spool.discard(settings.spool_dir, job_id)
     return bool(published)
 
 
