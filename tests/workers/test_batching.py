@@ -113,7 +113,7 @@ def test_requests_decode_together_and_each_gives_what_it_gives_alone(redis_conn,
 
 
 def test_one_canceled_mid_batch_stops_and_the_others_finish_intact(redis_conn, settings, worker_parts):
-    requests = [chat(settings, q, max_tokens=60) for q in QUESTIONS[:4]]
+    requests = [chat(settings, q, max_tokens=32) for q in QUESTIONS[:4]]
     for request in requests:
         submit(redis_conn, settings, request)
     run = scheduler(redis_conn, settings, worker_parts)
@@ -271,7 +271,7 @@ LONG_PROMPT = "Summarise this: " + "the quick brown fox jumps over the lazy dog.
 ])
 def test_a_request_decoding_alone_is_taken_over_by_the_batch_with_the_same_text(
         redis_conn, settings, worker_parts, question, sampling, joined_while):
-    first = chat(settings, question, max_tokens=30, **sampling)
+    first = chat(settings, question, max_tokens=20, **sampling)
     submit(redis_conn, settings, first)
     run = scheduler(redis_conn, settings, worker_parts)
 
@@ -283,7 +283,7 @@ def test_a_request_decoding_alone_is_taken_over_by_the_batch_with_the_same_text(
         return seq.tokens >= 5 if state == "decoding" else bool(decoder.fed) and not decoder.decoding
 
     step_until(run, lambda: alone_and(joined_while))
-    second = chat(settings, QUESTIONS[4], max_tokens=30)
+    second = chat(settings, QUESTIONS[4], max_tokens=20)
     submit(redis_conn, settings, second)
     run._next_look = 0.0  # look at the queue at the next step
     step_until(run, lambda: sum(len(b) for b in run.text.values()) == 2)
