@@ -29,11 +29,13 @@ from jobs.queues import (
 )
 from jobs.settings import load_settings
 from jobs.store import resolve
+from workers.backends import textbatch
 from workers.main import build_scheduler
 from workers.scheduler import Scheduler
 
 MODEL = "smollm2-135m"
 SYSTEM = {"role": "system", "content": "You are a patient teacher who answers in plain words, briefly."}
+LONG_PROMPT = "Summarise this: " + "the quick brown fox jumps over the lazy dog. " * 45
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "Why is the sky blue?",
              "What do bees make?", "Count from one to five.", "What is rain?"]
 
@@ -238,21 +240,28 @@ def test_a_transcription_keeps_going_while_text_decodes(redis_conn, settings, wo
     assert max(done(redis_conn, r.id)["usage"]["completion_tokens"] for r in texts_) == 200
 
 
-def test_a_long_prompt_is_processed_in_chunks_between_the_others_tokens(redis_conn, settings, worker_parts):
+@pytest.fixture()
+def small_chunks(monkeypatch):
+    """Prefill in chunks of 64 tokens, so a prompt of a few hundred tokens takes several (and the
+    CPU is not kept busy for a minute with thousands)."""
+    monkeypatch.setattr(textbatch, "PREFILL_CHUNK", 64)
+
+
+def test_a_long_prompt_is_processed_in_chunks_between_the_others_tokens(redis_conn, settings, worker_parts,
+                                                                          small_chunks):
     short = chat(settings, QUESTIONS[2], max_tokens=40)
     submit(redis_conn, settings, short)
     run = scheduler(redis_conn, settings, worker_parts)
     step_until(run, lambda: run.text and any(s.tokens for b in run.text.values()
                                              for m in b.members.values() for s in m.sequences))
-    long_prompt = chat(settings, "Summarise this: " + "the quick brown fox jumps over the lazy dog. " * 300,
-                       max_tokens=4)
+    long_prompt = chat(settings, LONG_PROMPT, max_tokens=4)
     submit(redis_conn, settings, long_prompt)
     run._next_look = 0.0  # look at the queue at the next step
     step_until(run, lambda: sum(len(b) for b in run.text.values()) == 2)
     [batch] = run.text.values()
     ours = next(m for t, m in batch.members.items() if t.request.id == short.id).sequences[0]
     theirs = next(m for t, m in batch.members.items() if t.request.id == long_prompt.id).sequences[0]
-    assert theirs.prompt_tokens > 8 * 256  # thousands of tokens: several chunks of prefill
+    assert theirs.prompt_tokens > 6 * textbatch.PREFILL_CHUNK  # several chunks of prefill
     while not theirs.tokens and not ours.finish_reason:
         before = ours.tokens
         run.step()
@@ -261,16 +270,13 @@ def test_a_long_prompt_is_processed_in_chunks_between_the_others_tokens(redis_co
     assert texts(done(redis_conn, short.id)) == texts(alone(redis_conn, settings, worker_parts, short))
 
 
-LONG_PROMPT = "Summarise this: " + "the quick brown fox jumps over the lazy dog. " * 150
-
-
 @pytest.mark.parametrize(("question", "sampling", "joined_while"), [
     (QUESTIONS[2], {}, "decoding"),
     (QUESTIONS[2], {"temperature": 0.9, "seed": 7, "repetition_penalty": 1.3}, "decoding"),
     (LONG_PROMPT, {}, "prefilling"),
 ])
 def test_a_request_decoding_alone_is_taken_over_by_the_batch_with_the_same_text(
-        redis_conn, settings, worker_parts, question, sampling, joined_while):
+        redis_conn, settings, worker_parts, small_chunks, question, sampling, joined_while):
     first = chat(settings, question, max_tokens=20, **sampling)
     submit(redis_conn, settings, first)
     run = scheduler(redis_conn, settings, worker_parts)
