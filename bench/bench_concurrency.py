@@ -9,7 +9,10 @@ Before its rounds, each N is run once unmeasured on both servers: MLX compiles k
 batch shape the first time it meets it (up to a second on CUDA), a cost a running service pays once.
 Direct mlx-lm's single-stream decode is measured beside each N = 1 round, for the N = 1 ratio.
 
-    python bench/bench_concurrency.py --model DIR [--n 1,8,32,64] [--max-tokens 128] [--rounds 3] [--out r.json]
+With `--control` a second mlx_lm.server runs beside the first: how far two identical servers come
+apart in one run is how finely the run resolves a difference between mlxq and mlx_lm.server.
+
+    python bench/bench_concurrency.py --model DIR [--n 1,8,32,64] [--max-tokens 128] [--rounds 3] [--control]
 """
 
 from __future__ import annotations
@@ -108,6 +111,7 @@ def main() -> None:
     parser.add_argument("--n", default="1,8,32,64")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--control", action="store_true", help="a second mlx_lm.server, as a control")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     reexec_with_worker_blas()
@@ -122,6 +126,8 @@ def main() -> None:
         direct.decode(16)  # warm-up
         direct_runs = []
         servers = [start_mlxq(model_dir, redis_url), start_mlx_lm_server(model_dir)]
+        if args.control:
+            servers.append(start_mlx_lm_server(model_dir, "mlx_lm_server_2"))
         for n in counts:
             for server in servers:
                 round_of(server, n, 16)  # this N's batch shapes, compiled before they are timed
@@ -129,7 +135,7 @@ def main() -> None:
             for r in range(args.rounds):
                 if n == 1:
                     direct_runs.append(direct.decode(args.max_tokens))
-                for server in (servers if r % 2 == 0 else servers[::-1]):
+                for server in servers[r % len(servers):] + servers[:r % len(servers)]:  # rotating order
                     rounds[server.name].append(round_of(server, n, args.max_tokens))
             for name, runs in rounds.items():
                 report.setdefault(name, {})[str(n)] = combine(runs)
@@ -138,7 +144,7 @@ def main() -> None:
         for server in servers:
             server.close()
         redis_proc.stop()
-    for name in ("mlxq", "mlx_lm_server"):
+    for name in ("mlxq", "mlx_lm_server", "mlx_lm_server_2"):
         single = report.get(name, {}).get("1", {}).get("per_stream_decode_tps_p50")
         if single and report.get("direct_decode_tps"):
             report[f"{name}_single_stream_decode_vs_direct"] = single / report["direct_decode_tps"]

@@ -198,14 +198,14 @@ def start_mlxq(model_dir: Path, redis_url: str, name: str = "mlxq", env_extra: d
     return HTTPServer(name, base, "bench", [worker, web])
 
 
-def start_mlx_lm_server(model_dir: Path) -> HTTPServer:
+def start_mlx_lm_server(model_dir: Path, name: str = "mlx_lm_server") -> HTTPServer:
     """Start mlx_lm.server on the model; return once it answers."""
     port = free_port()
     server = Proc([sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port", str(port)],
-                  dict(os.environ), "mlx_lm.server").start()
+                  dict(os.environ), "mlx_lm.server" if name == "mlx_lm_server" else name).start()  # its log's name
     base = f"http://127.0.0.1:{port}"
     wait_http(base + "/v1/models", 300)
-    return HTTPServer("mlx_lm_server", base, str(model_dir), [server])
+    return HTTPServer(name, base, str(model_dir), [server])
 
 
 def interleaved(contestants: list, measure: Callable, rounds: int, block: int, gap_s: float = 0.0) -> dict:
