@@ -279,7 +279,6 @@ class Scheduler:
                 if not len(batch):
                     self._drop_batch(batch)
 
-
     def _end_all(self, reason: JobError) -> None:
         """Cold stop: end every task in progress with `reason`."""
         fail_all(self, self.active(), reason)
