@@ -163,9 +163,14 @@ class Scheduler:
         try:
             task.request = contract.parse(payload)
             task.backend = self.backends[task.request.kind]
+            model = task.request.model
+            if model.kind != task.backend.model_kind:  # the web checks this too; a payload may not come from it
+                raise InvalidRequest(f"model {model.id!r} is a {model.kind} model; this endpoint needs a "
+                                     f"{task.backend.model_kind} model", code="invalid_model", param="model")
             run.start(attempts=getattr(task.request, "attempts", 1))
-            if task.request.kind == "text" and self._batch_for(task.request) is not None:
-                self._batch_for(task.request).add(task)
+            batch = self._batch_for(task.request) if task.request.kind == "text" else None
+            if batch is not None:
+                batch.add(task)
             else:
                 self._set_solo(queue.name, task)
         except REDIS_DOWN:
@@ -176,9 +181,6 @@ class Scheduler:
 
     def _batch_for(self, request) -> TextBatch | None:
         """The batch of the request's model, made when its first request comes (None: it cannot batch)."""
-        if request.model.kind != "text":
-            raise InvalidRequest(f"model {request.model.id!r} is a {request.model.kind} model; this endpoint "
-                                 "needs a text model", code="invalid_model", param="model")
         key = str(request.model.path)
         if key not in self.text:
             resident = self.models.get(request.model, pinned=set(self.text))

@@ -30,7 +30,7 @@ def make_sampler(sampling: Sampling, vocab_size: int, seed_offset: int = 0) -> S
         filters.append(lambda x: apply_top_p(x, sampling.top_p))
     if sampling.min_p:
         filters.append(lambda x: apply_min_p(x, sampling.min_p))
-    if 0 < sampling.top_k < vocab_size:  # all the vocabulary or more is no top_k (mlx-lm refuses it)
+    if effective_top_k(sampling, vocab_size):
         filters.append(lambda x: apply_top_k(x, sampling.top_k))
     seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little")
     key = [mx.random.key((seed + seed_offset) % 2**64)]
@@ -43,6 +43,12 @@ def make_sampler(sampling: Sampling, vocab_size: int, seed_offset: int = 0) -> S
         return mx.random.categorical(logprobs * scale, key=draw)
 
     return sample
+
+
+def effective_top_k(sampling: Sampling, vocab_size: int) -> int:
+    """The request's top_k, or 0 (none) when it keeps the whole vocabulary: mlx-lm refuses a top_k that
+    large, and its check raises inside a compiled function."""
+    return sampling.top_k if 0 < sampling.top_k < vocab_size else 0
 
 
 def greedy(logprobs: mx.array) -> mx.array:

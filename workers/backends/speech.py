@@ -18,7 +18,6 @@ from pathlib import Path
 
 from jobs import keys, records
 from jobs.contract import TranscriptionRequest
-from jobs.errors import InvalidRequest
 from jobs.events import SEGMENT
 from jobs.settings import Settings
 from workers.audio import probe
@@ -38,9 +37,6 @@ class SpeechBackend:
 
     def run(self, request: TranscriptionRequest, job, models) -> Iterator[Outcome | None]:
         """Transcribe the spooled file window by window; end with the verbose_json result."""
-        if request.model.kind != self.model_kind:
-            raise InvalidRequest(f"model {request.model.id!r} is a {request.model.kind} model; transcription "
-                                 "needs a speech model", code="invalid_model", param="model")
         checkpoint = Checkpoint(job, request.word_timestamps)
         state = checkpoint.resume() if request.resume else checkpoint.clear()
         options = whisper.Options(language=request.language, prompt=request.prompt,

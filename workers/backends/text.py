@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from jobs.contract import Choice, TextRequest, TextResult
-from jobs.errors import InvalidRequest
 from jobs.events import DELTA
 from workers.backends import textgen
 from workers.backends.base import Outcome
@@ -32,9 +31,6 @@ class TextBackend:
 
     def run(self, request: TextRequest, job, models) -> Iterator[Outcome | None]:
         """Generate one choice per input, publishing deltas; end with the usage-counted answer."""
-        if request.model.kind != self.model_kind:
-            raise InvalidRequest(f"model {request.model.id!r} is a {request.model.kind} model; this endpoint "
-                                 "needs a text model", code="invalid_model", param="model")
         resident = models.get(request.model)
         interval = job.settings.stream_interval_ms / 1000
         choices, prompt_tokens, completion_tokens, held = [], 0, 0, []
@@ -65,11 +61,9 @@ class TextBackend:
     @staticmethod
     def _generate(resident, request: TextRequest, prompt) -> Iterator[textgen.Piece]:
         """mlx-lm's generation for a chat (list of messages) or a plain prompt, as Pieces."""
-        tokenizer = resident.processor
-        is_chat = isinstance(prompt, list)
-        ids = textgen.chat_prompt(tokenizer, prompt) if is_chat else textgen.text_prompt(tokenizer, prompt)
-        context = request.model.context_length
-        return textgen.generate(resident.model, tokenizer, ids, request.sampling, context)
+        ids = textgen.prompt_ids(resident.processor, prompt)
+        return textgen.generate(resident.model, resident.processor, ids, request.sampling,
+                                request.model.context_length)
 
 
 def _stream(pieces: Iterator[textgen.Piece], job, index: int, interval: float):

@@ -84,7 +84,7 @@ class TextBatch:
         request = task.request
         prompts = []  # every input checked before any is inserted: a refusal leaves the batch untouched
         for prompt in request.inputs:
-            ids = self._prompt_ids(prompt)
+            ids = textgen.prompt_ids(self.tokenizer, prompt)
             prompts.append((ids, textgen.token_budget(len(ids), request.sampling.max_tokens,
                                                       request.model.context_length)))
         need = self.kv_per_token * request.n * sum(len(ids) + budget for ids, budget in prompts)
@@ -160,11 +160,6 @@ class TextBatch:
         """Kept caches never crowd out running requests."""
         if self.prompt_cache.nbytes:
             self.prompt_cache.trim_to(n_bytes=max(0, self._kv_memory() - sum(self.reserved.values())))
-
-    def _prompt_ids(self, prompt) -> list[int]:
-        if isinstance(prompt, list):
-            return textgen.chat_prompt(self.tokenizer, prompt)
-        return textgen.text_prompt(self.tokenizer, prompt)
 
     def _insert(self, task, index: int, ids: list[int], budget: int, copy: int, alone: bool) -> Sequence:
         """Start one sequence (on its own when `alone`), resuming from the longest cached prefix of its

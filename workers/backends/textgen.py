@@ -10,11 +10,12 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
-from mlx_lm.sample_utils import make_logits_processors, make_sampler
+from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import dequantize_model
 
 from jobs.contract import Sampling
 from jobs.errors import ContextLengthExceeded
+from workers.backends.sampling import effective_top_k, logits_processors
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,11 @@ def chat_prompt(tokenizer, messages: Sequence[dict]) -> list[int]:
         return text_prompt(tokenizer, "\n".join(lines) + "\nassistant:")
     ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+def prompt_ids(tokenizer, prompt: str | Sequence[dict]) -> list[int]:
+    """Token ids of a request's input: a chat (a list of messages) or a plain completion prompt."""
+    return chat_prompt(tokenizer, prompt) if isinstance(prompt, list) else text_prompt(tokenizer, prompt)
 
 
 def text_prompt(tokenizer, prompt: str) -> list[int]:
@@ -103,13 +109,9 @@ def token_budget(prompt_tokens: int, max_tokens: int, context_length: int | None
 
 def _generation_kwargs(sampling: Sampling, vocab_size: int) -> dict:
     """stream_generate's sampler and logits processors for these settings."""
-    # A top_k of the whole vocabulary or more keeps every token: the same as no top_k, which mlx-lm
-    # refuses to be given (its check raises inside a compiled function).
-    top_k = sampling.top_k if 0 < sampling.top_k < vocab_size else 0
-    sampler = make_sampler(temp=sampling.temperature, top_p=sampling.top_p, min_p=sampling.min_p, top_k=top_k)
-    penalty = sampling.repetition_penalty
-    processors = make_logits_processors(repetition_penalty=penalty) if penalty and penalty != 1.0 else None
-    return {"sampler": sampler, "logits_processors": processors}
+    sampler = make_sampler(temp=sampling.temperature, top_p=sampling.top_p, min_p=sampling.min_p,
+                           top_k=effective_top_k(sampling, vocab_size))
+    return {"sampler": sampler, "logits_processors": logits_processors(sampling)}
 
 
 def generate(model, tokenizer, prompt: list[int], sampling: Sampling,
