@@ -101,6 +101,31 @@ def import_gguf(file: Path, name: str | None, force: bool):
     _import(file, name, force, "gguf", stem)
 
 
+@models.command("import-gguf-vlm")
+@click.option("--model", "model_file", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="The language model GGUF (e.g. SmolVLM-256M-Instruct-Q8_0.gguf).")
+@click.option("--mmproj", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Its vision projector GGUF (e.g. mmproj-SmolVLM-256M-Instruct-Q8_0.gguf).")
+@click.option("--name", help="Store name (default: derived from the model file name).")
+@click.option("--force", is_flag=True, help="Replace an existing model of that name.")
+@_clean_errors
+def import_gguf_vlm(model_file: Path, mmproj: Path, name: str | None, force: bool):
+    """Convert a llama.cpp vision model (GGUF + mmproj GGUF, SmolVLM / Idefics3) into an MLX model in the store."""
+    from workers.store_admin import converter_for, import_into_store, safe_name, source_sha256, validate_name
+
+    settings = load_settings()
+    stem = model_file.name[:-5] if model_file.name.lower().endswith(".gguf") else model_file.name
+    name = validate_name(name or safe_name(stem))
+    mmproj = mmproj.resolve()
+    convert_vlm = converter_for("gguf-vlm")
+    provenance = {"source": f"gguf-vlm:{model_file.resolve()}", "mmproj": str(mmproj),
+                  "mmproj_sha256": source_sha256(mmproj)}
+    _progress(f"converting {model_file} + {mmproj.name} into {settings.models_dir / name} ...")
+    info = import_into_store(settings, name, lambda src, out_dir: convert_vlm(src, mmproj, out_dir), model_file,
+                             provenance, force=force)
+    _report(info, "imported")
+
+
 @models.command("import-ct2-whisper")
 @click.argument("directory", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @click.option("--name", help="Store name (default: derived from the directory name).")

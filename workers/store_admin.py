@@ -212,12 +212,20 @@ def remove_model(settings, name: str) -> list[str]:
     return dropped
 
 
-def converter_for(importer: str) -> Callable[[Path, Path], dict]:
-    """The conversion function for "gguf" or "ct2" (imported here: it loads mlx)."""
+def converter_for(importer: str) -> Callable[..., dict]:
+    """The conversion function for "gguf", "gguf-vlm" or "ct2" (imported here: it loads mlx).
+
+    All take (src, out_dir) except "gguf-vlm", which takes (model_gguf, mmproj_gguf, out_dir): bind the
+    mmproj before handing it to import_into_store.
+    """
     if importer == "gguf":
         from workers.importers.gguf import convert_gguf
 
         return convert_gguf
+    if importer == "gguf-vlm":
+        from workers.importers.gguf_vlm import convert_gguf_vlm
+
+        return convert_gguf_vlm
     from workers.importers.ct2_whisper import convert_ct2_whisper
 
     return convert_ct2_whisper

@@ -34,7 +34,7 @@ def convert_gguf(src: Path, out_dir: Path) -> dict:
     src, out_dir = Path(src), Path(out_dir)
     header = read_header(src)
     validate(header, src)
-    weights, metadata = _load(src, header)
+    weights, metadata = load_gguf(src, header)
     config = model_config(metadata, weights)
     mlx_weights = rename_weights(weights, config)
     quantization = quantization_config(header)
@@ -42,7 +42,7 @@ def convert_gguf(src: Path, out_dir: Path) -> dict:
         config["quantization"] = config["quantization_config"] = quantization
     eos_ids = write_tokenizer(metadata, out_dir)
     _write_model(out_dir, config, mlx_weights)
-    _write_json(out_dir / "generation_config.json", _generation_config(metadata, eos_ids))
+    _write_json(out_dir / "generation_config.json", generation_config(metadata, eos_ids))
     return {
         "kind": "text",
         "architecture": header.metadata["general.architecture"],
@@ -60,12 +60,12 @@ def validate(header: GGUFHeader, src: Path) -> None:
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModel(f"{src.name}: architecture {architecture!r} is not supported "
                                f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-    _check_tensor_types(header, src)
+    check_tensor_types(header, src)
     _check_llama_variant(header, src)
     check_tokenizer_supported(header.metadata)
 
 
-def _check_tensor_types(header: GGUFHeader, src: Path) -> None:
+def check_tensor_types(header: GGUFHeader, src: Path) -> None:
     bad = Counter(t.type_name for t in header.tensors.values() if t.type_name not in BLOCK_LAYOUT)
     if bad:
         kinds = ", ".join(f"{kind} ({n} tensors)" for kind, n in bad.most_common())
@@ -88,7 +88,7 @@ def _check_llama_variant(header: GGUFHeader, src: Path) -> None:
         raise UnsupportedModel(f"{src.name}: rope scaling {scaling!r} is not supported")
 
 
-def _load(src: Path, header: GGUFHeader) -> tuple[dict, dict]:
+def load_gguf(src: Path, header: GGUFHeader) -> tuple[dict, dict]:
     try:
         weights, metadata = mx.load(str(src), return_metadata=True)
     except (RuntimeError, ValueError) as exc:
@@ -233,7 +233,7 @@ def _write_model(out_dir: Path, config: dict, weights: dict) -> None:
     _write_json(out_dir / "config.json", config)
 
 
-def _generation_config(metadata: dict, eos_ids: list[int]) -> dict:
+def generation_config(metadata: dict, eos_ids: list[int]) -> dict:
     config = {"eos_token_id": eos_ids[0] if len(eos_ids) == 1 else eos_ids}
     bos = metadata.get("tokenizer.ggml.bos_token_id")
     if bos is not None:
