@@ -89,8 +89,36 @@ class TranscriptionRequest:
     kind: str = field(default="transcription", init=False)
 
 
-Request = TextRequest | TranscriptionRequest
-_KINDS = {"text": TextRequest, "transcription": TranscriptionRequest}
+@dataclass(frozen=True)
+class MultimodalRequest:
+    """A chat with images or audio in it, or any chat on a vision model: it runs alone, not in a text batch.
+
+    Each message's content is a string or a list of parts: {"type": "text", "text"}, {"type": "image",
+    "image": i} (the i-th path of `images`) and {"type": "input_audio", "audio": i} (of `audio`). With a
+    `speech_model`, audio is transcribed by it first and reaches the model as text; without, the model
+    hears it itself.
+    """
+
+    id: str
+    model: ModelRef
+    messages: list[dict]
+    sampling: Sampling = Sampling()
+    images: list[str] = field(default_factory=list)  # spooled image files, in the order they appear
+    audio: list[str] = field(default_factory=list)  # spooled audio files, in the order they appear
+    speech_model: ModelRef | None = None
+    n: int = 1
+    is_async: bool = False
+    request_id: str | None = None
+    kind: str = field(default="multimodal", init=False)
+
+    @property
+    def inputs(self) -> list:
+        """What each choice continues: the one conversation."""
+        return [self.messages]
+
+
+Request = TextRequest | TranscriptionRequest | MultimodalRequest
+_KINDS = {"text": TextRequest, "transcription": TranscriptionRequest, "multimodal": MultimodalRequest}
 
 
 @dataclass(frozen=True)
@@ -133,7 +161,9 @@ def parse(payload: dict) -> Request:
         cls = _KINDS[payload["kind"]]
         values = {f.name: payload[f.name] for f in fields(cls) if f.init and f.name in payload}
         values["model"] = ModelRef(**values["model"])
-        if cls is TextRequest:
+        if values.get("speech_model") is not None:
+            values["speech_model"] = ModelRef(**values["speech_model"])
+        if cls in (TextRequest, MultimodalRequest):
             sampling = dict(values.get("sampling") or {})
             sampling["stop"] = tuple(sampling.get("stop") or ())
             values["sampling"] = Sampling(**sampling)

@@ -102,6 +102,13 @@ def detect_kind(config: dict) -> str:
     return "text"
 
 
+def capabilities_of(config: dict) -> tuple[str, ...]:
+    """What a model takes besides text: ("vision",), plus "audio" for models that hear (omni models)."""
+    if detect_kind(config) != "vision":
+        return ()
+    return ("vision", "audio") if "audio_config" in config else ("vision",)
+
+
 def context_length_of(config: dict) -> int | None:
     """Return the context length a config.json declares, if any."""
     for source in (config, config.get("text_config") or {}):

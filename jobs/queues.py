@@ -29,6 +29,7 @@ WORKER_QUEUES = (INTERACTIVE, BATCH)
 CHAT_COMPLETION = "chat_completion"
 TEXT_COMPLETION = "text_completion"
 TRANSCRIPTION = "transcription"
+MULTIMODAL_CHAT = "multimodal_chat"  # images or audio in it, or a vision model: runs alone, never batched
 
 
 class QueueFull(Exception):

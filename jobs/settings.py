@@ -87,6 +87,28 @@ class Settings:
     webhook_allow_private: bool = False
     """Allow webhook URLs that resolve to loopback or private addresses (tests, LANs)."""
 
+    max_images: int = 5
+    """Most image_url parts in one chat request (the whole conversation, not one message)."""
+
+    max_image_mb: int = 20
+    """Largest image accepted, in MiB of image bytes (decoded from a data URL, or fetched)."""
+
+    max_images_mb: int = 50
+    """Most image bytes in one chat request, all its images together, in MiB."""
+
+    max_image_pixels: int = 50_000_000
+    """Most pixels (width x height) in one image, read from its header before anything is decoded.
+    Pillow refuses above about 179 million pixels on its own, so larger values change nothing."""
+
+    image_fetch_timeout_s: float = 10.0
+    """Deadline for fetching one http(s) image_url, redirects included, in seconds."""
+
+    image_fetch_allow_private: bool = False
+    """Allow image URLs that resolve to loopback or private addresses (tests, LANs)."""
+
+    max_audio_parts: int = 5
+    """Most input_audio parts in one chat request (each also counts against max_upload_mb and max_audio_s)."""
+
     def with_overrides(self, **overrides) -> "Settings":
         """Return a copy with the given fields replaced (test and CLI overrides)."""
         return replace(self, **{k: _coerce(self, k, v) for k, v in overrides.items()})

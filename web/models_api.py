@@ -14,7 +14,7 @@ blp = Blueprint("models", __name__, url_prefix="/v1/models", description="Models
 def _as_openai(info) -> dict:
     """Render a catalog entry in OpenAI's model shape plus mlxq's facts."""
     return {"id": info.id, "object": "model", "created": info.created, "owned_by": "mlxq", "kind": info.kind,
-            "context_length": info.context_length, "size_bytes": info.size_bytes,
+            "capabilities": list(info.capabilities), "context_length": info.context_length, "size_bytes": info.size_bytes,
             "quantization": info.quantization, "source": public_source(info.source)}
 
 

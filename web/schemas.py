@@ -39,21 +39,56 @@ class StringOrList(fields.Field):
         return items
 
 
+IMAGE_DETAILS = ("auto", "low", "high")
+
+
 class MessageContent(fields.Field):
-    """Message content: a string, or an array of `{"type": "text", "text": ...}` parts (joined)."""
+    """Message content: a string, or an array of content parts.
+
+    Text-only arrays load as their joined text. Arrays with `image_url` or `input_audio` parts load as a
+    list of parts in OpenAI's shape (an `image_url` given as a bare string is accepted as `{"url": ...}`);
+    web.media_parts fetches, checks and spools them.
+    """
 
     def _deserialize(self, value, attr, data, **kwargs):
         if isinstance(value, str):
             return value
         if not isinstance(value, list):
             raise ValidationError("must be a string or an array of content parts")
-        texts = []
-        for part in value:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ValidationError(f"content part of type {kind!r} is not supported; only 'text' parts are")
-            texts.append(part["text"])
-        return "".join(texts)
+        parts = [_content_part(part, index) for index, part in enumerate(value)]
+        if all(part["type"] == "text" for part in parts):
+            return "".join(part["text"] for part in parts)
+        return parts
+
+
+def _content_part(part, index: int) -> dict:
+    """One content part, checked for shape (its data is checked when it is spooled)."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            raise ValidationError(f"content part {index}: 'text' must be a string")
+        return {"type": "text", "text": part["text"]}
+    if kind == "image_url":
+        image = part.get("image_url")
+        image = {"url": image} if isinstance(image, str) else image
+        if not isinstance(image, dict) or not isinstance(image.get("url"), str) or not image["url"]:
+            raise ValidationError(f"content part {index}: 'image_url' must be an object with a 'url' string")
+        detail = image.get("detail") or "auto"
+        if detail not in IMAGE_DETAILS:
+            raise ValidationError(f"content part {index}: 'detail' must be one of {', '.join(IMAGE_DETAILS)}")
+        return {"type": "image_url", "image_url": {"url": image["url"], "detail": detail}}
+    if kind == "input_audio":
+        audio = part.get("input_audio")
+        if not isinstance(audio, dict) or not isinstance(audio.get("data"), str) or not audio["data"]:
+            raise ValidationError(f"content part {index}: 'input_audio' must be an object with a base64 'data' "
+                                  "string and a 'format'")
+        fmt = audio.get("format")
+        if fmt is not None and not isinstance(fmt, str):
+            raise ValidationError(f"content part {index}: 'format' must be a string such as 'wav' or 'mp3'")
+        return {"type": "input_audio", "input_audio": {"data": audio["data"], "format": fmt or ""}}
+    name = kind if isinstance(kind, str) else type(part).__name__
+    raise ValidationError(f"content part {index} of type {name!r} is not supported; 'text', 'image_url' and "
+                          "'input_audio' parts are")
 
 
 class StreamOptionsSchema(Schema):
@@ -167,6 +202,9 @@ class ModelSchema(Schema):
     created = fields.Integer()
     owned_by = fields.String()
     kind = fields.String()
+    capabilities = fields.List(fields.String(), metadata={"description": "What the model takes besides text: "
+                                                         "'vision' (image_url parts), 'audio' (input_audio heard "
+                                                         "by the model itself)"})
     context_length = fields.Integer(allow_none=True)
     size_bytes = fields.Integer()
     quantization = fields.String(allow_none=True)
