@@ -8,11 +8,21 @@ import logging
 
 from flask import g
 
-from jobs.contract import DEFAULT_MAX_TOKENS, ModelRef, Sampling, TextRequest, TranscriptionRequest
+from jobs import queues
+from jobs.contract import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_SPEECH_MODEL,
+    ModelRef,
+    MultimodalRequest,
+    Sampling,
+    TextRequest,
+    TranscriptionRequest,
+)
 from jobs.media import MediaInfo
 from jobs.store import ModelInfo, ModelNotFound, resolve
 from web.audio_check import check_audio
 from web.errors import APIError
+from web.media_parts import media_parts, spool_parts
 from web.services import services
 from web.uploads import Upload, spool
 
@@ -22,16 +32,17 @@ MAX_CHOICES = 64
 """The most choices (prompts times `n`) one completion request may ask for."""
 
 
-def resolve_model(ref: str | None, kind: str) -> ModelInfo:
-    """Resolve a model reference to a catalog entry of `kind`, or raise 404 / 400."""
+def resolve_model(ref: str | None, kind: str | tuple[str, ...]) -> ModelInfo:
+    """Resolve a model reference to a catalog entry of `kind` (or one of several), or raise 404 / 400."""
+    kinds = (kind,) if isinstance(kind, str) else kind
     try:
         info = resolve(ref, services().settings, allow_paths=False)
     except ModelNotFound as exc:
         log.info("%s", exc)  # the operator's log gets the places looked, with their paths
         raise APIError(404, exc.public_message, "model_not_found", "model") from None
-    if info.kind != kind:
-        raise APIError(400, f"Model '{info.id}' is a {info.kind} model; this endpoint needs a {kind} model.",
-                       "invalid_model", "model")
+    if info.kind not in kinds:
+        raise APIError(400, f"Model '{info.id}' is a {info.kind} model; this endpoint needs a "
+                            f"{' or '.join(kinds)} model.", "invalid_model", "model")
     return info
 
 
@@ -65,13 +76,70 @@ def sampling(body: dict, info: ModelInfo) -> Sampling:
     )
 
 
-def chat_request(body: dict, job_id: str, is_async: bool = False) -> TextRequest:
-    """A chat request: developer messages become system ones (chat templates know those)."""
-    info = resolve_model(body["model"], "text")
+def chat_request(body: dict, job_id: str, is_async: bool = False) -> TextRequest | MultimodalRequest:
+    """A chat request: developer messages become system ones (chat templates know those).
+
+    A chat with images or audio, or on a vision model, is a MultimodalRequest: its media are checked
+    against the model first (nothing is fetched for a model that cannot use it), then spooled.
+    """
+    info = resolve_model(body["model"], ("text", "vision"))
     messages = [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]}
                 for m in body["messages"]]
-    return TextRequest(job_id, model_ref(info), sampling(body, info), messages=messages, n=body["n"] or 1,
-                       is_async=is_async, request_id=g.request_id)
+    kinds = _check_media(messages, info)
+    common = {"sampling": sampling(body, info), "n": body["n"] or 1, "is_async": is_async,
+              "request_id": g.request_id}
+    if not kinds and info.kind == "text":
+        return TextRequest(job_id, model_ref(info), messages=messages, **common)
+    speech = None
+    if "input_audio" in kinds and "audio" not in info.capabilities:
+        speech = model_ref(_speech_model_for_chat())
+    parts = spool_parts(messages, job_id, services().settings)
+    messages, images, audio = _with_media_refs(messages, parts)
+    return MultimodalRequest(job_id, model_ref(info), messages, images=images, audio=audio, speech_model=speech,
+                             **common)
+
+
+def chat_func(request) -> str:
+    """The RQ function name a chat request is queued under: it tells the worker whether it can batch."""
+    return queues.MULTIMODAL_CHAT if request.kind == "multimodal" else queues.CHAT_COMPLETION
+
+
+def _check_media(messages: list[dict], info: ModelInfo) -> set[str]:
+    """The kinds of media parts in the chat; 400 for an image sent to a model that cannot see."""
+    kinds = set()
+    for m, p, part in media_parts(messages):
+        if part["type"] == "image_url" and "vision" not in info.capabilities:
+            raise APIError(400, f"Model '{info.id}' cannot see images: it is a text model. Send images to a "
+                                "vision model (GET /v1/models lists each model's capabilities).",
+                           "image_not_supported", f"messages[{m}].content[{p}]")
+        kinds.add(part["type"])
+    return kinds
+
+
+def _speech_model_for_chat() -> ModelInfo:
+    """The speech model that transcribes audio parts for models that cannot hear."""
+    try:
+        return resolve_model(DEFAULT_SPEECH_MODEL, "speech")
+    except APIError:
+        raise APIError(400, f"Audio parts need a speech model to transcribe them for this model, and the "
+                            f"default one ('{DEFAULT_SPEECH_MODEL}') is not installed.", "model_not_found",
+                       "messages") from None
+
+
+def _with_media_refs(messages: list[dict], parts) -> tuple[list[dict], list[str], list[str]]:
+    """The messages with each media part replaced by a reference to its spooled file, and the files."""
+    images, audio, refs = [], [], {}
+    for part in parts:
+        files, kind = (images, "image") if part.kind == "image" else (audio, "input_audio")
+        refs[(part.message_index, part.part_index)] = {"type": kind, kind.removeprefix("input_"): len(files)}
+        files.append(str(part.path))
+    converted = []
+    for m, message in enumerate(messages):
+        content = message["content"]
+        if isinstance(content, list):
+            content = [refs.get((m, p), part) for p, part in enumerate(content)]
+        converted.append({**message, "content": content})
+    return converted, images, audio
 
 
 def completion_request(body: dict, job_id: str) -> TextRequest:

@@ -10,7 +10,7 @@ from typing import Callable, Iterator
 
 from flask import Response, g, request
 
-from jobs import queues
+from jobs import queues, spool
 from jobs.contract import Request, to_payload
 from jobs.events import DONE, ERROR
 from jobs.lifecycle import fail_if_orphaned, request_cancel
@@ -33,8 +33,13 @@ def submit(request: Request, func: str, description: str, queue: str = queues.IN
     """Enqueue a request under its id (a synchronous call's by default: on `interactive`); return the id."""
     svc = services()
     timeout_s = timeout_s or int(svc.settings.sync_timeout_s) + 60
-    queues.enqueue(svc.redis, svc.settings, queue, func, to_payload(request), request.id, description=description,
-                   timeout_s=timeout_s, meta={"request_id": g.request_id, **(meta or {})})
+    try:
+        queues.enqueue(svc.redis, svc.settings, queue, func, to_payload(request), request.id,
+                       description=description, timeout_s=timeout_s,
+                       meta={"request_id": g.request_id, **(meta or {})})
+    except BaseException:
+        spool.discard(svc.settings.spool_dir, request.id)  # never enqueued: nothing else will remove it
+        raise
     return request.id
 
 

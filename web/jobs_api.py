@@ -26,6 +26,7 @@ from web.auth import caller
 from web.errors import APIError
 from web.jobrun import KEEPALIVE_S, submit
 from web.jsonbody import Blueprint
+from web.media_parts import accepts_media_parts
 from web.response_schemas import SSE, TEXT, AnyObjectSchema, ServerSentEventSchema
 from web.services import Services, services
 from web.sse import SSE_HEADERS, sse_comment, sse_data
@@ -95,13 +96,14 @@ def create_transcription(form):
 
 
 @blp.route("/chat/completions", methods=["POST"])
+@accepts_media_parts
 @blp.arguments(JobChatRequestSchema())
 @blp.response(202, JobAcceptedSchema)
 def create_chat(body):
     """Submit an async chat completion; its result is a chat.completion object."""
     request = intake.chat_request(body, queues.new_job_id("job"), is_async=True)
     fields = {"model": request.model.id, "metadata": body["metadata"] or {}, "webhook_url": body["webhook_url"]}
-    _create_and_enqueue(request, "chat", fields, queues.CHAT_COMPLETION, f"chat {request.model.id} (async)",
+    _create_and_enqueue(request, "chat", fields, intake.chat_func(request), f"chat {request.model.id} (async)",
                         timeout_s=CHAT_TIMEOUT_S, meta={"kind": "chat", "model": request.model.id})
     return _accepted(request.id)
 

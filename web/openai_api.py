@@ -10,6 +10,7 @@ from jobs import queues
 from web import intake, render
 from web.jobrun import stream_response, submit, wait_for_result
 from web.jsonbody import Blueprint
+from web.media_parts import accepts_media_parts
 from web.response_schemas import SSE, ChatCompletionSchema, CompletionSchema, ServerSentEventSchema
 from web.schemas import ChatCompletionRequestSchema, CompletionRequestSchema
 
@@ -21,6 +22,7 @@ def _usage_wanted(body: dict) -> bool:
 
 
 @blp.route("/chat/completions", methods=["POST"])
+@accepts_media_parts
 @blp.arguments(ChatCompletionRequestSchema())
 @blp.response(200, ChatCompletionSchema, description="A chat.completion; with `stream`, chat.completion.chunk "
               "events, then `data: [DONE]`")
@@ -28,7 +30,7 @@ def _usage_wanted(body: dict) -> bool:
 def chat_completions(body):
     """Create a chat completion (plain JSON, or SSE chunks when `stream` is true)."""
     request = intake.chat_request(body, queues.new_job_id("chatcmpl"))
-    submit(request, queues.CHAT_COMPLETION, f"chat {request.model.id}")
+    submit(request, intake.chat_func(request), f"chat {request.model.id}")
     created = int(time.time())
     if body["stream"]:
         frames = render.chat_chunks(request.id, request.model.id, created, _usage_wanted(body))
