@@ -164,9 +164,10 @@ class Scheduler:
             task.request = contract.parse(payload)
             task.backend = self.backends[task.request.kind]
             model = task.request.model
-            if model.kind != task.backend.model_kind:  # the web checks this too; a payload may not come from it
+            kinds = getattr(task.backend, "model_kinds", {task.backend.model_kind})
+            if model.kind not in kinds:  # the web checks this too; a payload may not come from it
                 raise InvalidRequest(f"model {model.id!r} is a {model.kind} model; this endpoint needs a "
-                                     f"{task.backend.model_kind} model", code="invalid_model", param="model")
+                                     f"{' or '.join(sorted(kinds))} model", code="invalid_model", param="model")
             run.start(attempts=getattr(task.request, "attempts", 1))
             batch = self._batch_for(task.request) if task.request.kind == "text" else None
             if batch is not None:
@@ -207,7 +208,7 @@ class Scheduler:
             return solo
         self._turn += 1
         if solo is not None:
-            text_solo = solo.request is not None and solo.request.kind == "text"
+            text_solo = solo.request is not None and solo.request.kind in ("text", "multimodal")
             if (text_solo and self._turn % 2) or self._text_since_solo >= SPEECH_TURN_S:
                 return solo
         return batches[self._turn % len(batches)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from jobs.contract import Choice, TextRequest, TextResult
@@ -32,38 +32,43 @@ class TextBackend:
     def run(self, request: TextRequest, job, models) -> Iterator[Outcome | None]:
         """Generate one choice per input, publishing deltas; end with the usage-counted answer."""
         resident = models.get(request.model)
-        interval = job.settings.stream_interval_ms / 1000
-        choices, prompt_tokens, completion_tokens, held = [], 0, 0, []
-        inputs = [prompt for prompt in request.inputs for _ in range(request.n)]  # choice i*n + k
-        for index, prompt in enumerate(inputs):
-            if held:  # the previous choice's last delta goes out now; its reply reports a cancel
-                job.publish(held)
-            elif index:
-                job.check_cancel()
-            pieces = self._generate(resident, request, prompt)
-            try:
-                text, final, last_delta = yield from _stream(pieces, job, index, interval)
-            except BaseException:
-                pieces.close()  # leaving early (a cancel, a timeout, shutdown): generation stops here
-                raise
-            choices.append(Choice(index, text, final.finish_reason))
-            prompt_tokens += final.prompt_tokens
-            completion_tokens += final.tokens
-            held = [(DELTA, {"index": index, "text": last_delta})] if last_delta else []
-            if index < len(inputs) - 1:
-                pieces.close()
-        result = TextResult(request.model.id, choices, prompt_tokens, completion_tokens, int(time.time()))
-        try:
-            yield Outcome(result.as_dict(), before=held)  # the answer goes out, then generation is closed
-        finally:
-            pieces.close()
 
-    @staticmethod
-    def _generate(resident, request: TextRequest, prompt) -> Iterator[textgen.Piece]:
-        """mlx-lm's generation for a chat (list of messages) or a plain prompt, as Pieces."""
-        ids = textgen.prompt_ids(resident.processor, prompt)
-        return textgen.generate(resident.model, resident.processor, ids, request.sampling,
-                                request.model.context_length)
+        def generate(prompt) -> Iterator[textgen.Piece]:
+            ids = textgen.prompt_ids(resident.processor, prompt)
+            return textgen.generate(resident.model, resident.processor, ids, request.sampling,
+                                    request.model.context_length)
+
+        return run_choices(request, job, generate)
+
+
+def run_choices(request, job, generate: Callable[[object], Iterator[textgen.Piece]]) -> Iterator[Outcome | None]:
+    """Generate each choice of a request in turn (`generate(input)` gives its Pieces), publishing deltas;
+    end with the usage-counted answer. A backend's `run` for text-like requests."""
+    interval = job.settings.stream_interval_ms / 1000
+    choices, prompt_tokens, completion_tokens, held = [], 0, 0, []
+    inputs = [prompt for prompt in request.inputs for _ in range(request.n)]  # choice i*n + k
+    for index, prompt in enumerate(inputs):
+        if held:  # the previous choice's last delta goes out now; its reply reports a cancel
+            job.publish(held)
+        elif index:
+            job.check_cancel()
+        pieces = generate(prompt)
+        try:
+            text, final, last_delta = yield from _stream(pieces, job, index, interval)
+        except BaseException:
+            pieces.close()  # leaving early (a cancel, a timeout, shutdown): generation stops here
+            raise
+        choices.append(Choice(index, text, final.finish_reason))
+        prompt_tokens += final.prompt_tokens
+        completion_tokens += final.tokens
+        held = [(DELTA, {"index": index, "text": last_delta})] if last_delta else []
+        if index < len(inputs) - 1:
+            pieces.close()
+    result = TextResult(request.model.id, choices, prompt_tokens, completion_tokens, int(time.time()))
+    try:
+        yield Outcome(result.as_dict(), before=held)  # the answer goes out, then generation is closed
+    finally:
+        pieces.close()
 
 
 def _stream(pieces: Iterator[textgen.Piece], job, index: int, interval: float):

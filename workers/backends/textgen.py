@@ -114,31 +114,49 @@ def _generation_kwargs(sampling: Sampling, vocab_size: int) -> dict:
     return {"sampler": sampler, "logits_processors": logits_processors(sampling)}
 
 
+@dataclass(frozen=True)
+class Step:
+    """One token of a library's stream (mlx-lm's or mlx-vlm's), in the terms `pieces` needs."""
+
+    text: str
+    tokens: int  # completion tokens generated so far
+    prompt_tokens: int
+    finish_reason: str | None = None
+
+
 def generate(model, tokenizer, prompt: list[int], sampling: Sampling,
              context_length: int | None = None) -> Iterator[Piece]:
-    """Generate from token ids: one Piece per token; the last one carries the finish reason.
+    """Generate from token ids: one Piece per token; the last one carries the finish reason."""
+    budget = token_budget(len(prompt), sampling.max_tokens, context_length)
+    if sampling.seed is not None:
+        mx.random.seed(sampling.seed)
+    kwargs = _generation_kwargs(sampling, output_size(model, tokenizer))
+    steps = (Step(step.text, step.generation_tokens, len(prompt), step.finish_reason)
+             for step in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=budget, **kwargs))
+    return pieces(steps, StopBuffer(sampling.stop))
+
+
+def pieces(steps: Iterator[Step], stops: StopBuffer) -> Iterator[Piece]:
+    """Turn a token stream into Pieces, ending at a stop string or the stream's own finish.
 
     Stop strings are matched on the text and never released; completion token counts include the
     token that completed a stop string and the end-of-sequence token (it was generated).
     """
-    budget = token_budget(len(prompt), sampling.max_tokens, context_length)
-    if sampling.seed is not None:
-        mx.random.seed(sampling.seed)
-    stops = StopBuffer(sampling.stop)
-    kwargs = _generation_kwargs(sampling, output_size(model, tokenizer))
     try:
-        for step in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=budget, **kwargs):
+        for step in steps:
             text, matched = stops.feed(step.text)
             if matched:
-                yield Piece(text, step.generation_tokens, len(prompt), "stop")
+                yield Piece(text, step.tokens, step.prompt_tokens, "stop")
                 return
             if step.finish_reason:
-                yield Piece(text + stops.flush(), step.generation_tokens, len(prompt), step.finish_reason)
+                yield Piece(text + stops.flush(), step.tokens, step.prompt_tokens, step.finish_reason)
                 return
-            yield Piece(text, step.generation_tokens, len(prompt))
+            yield Piece(text, step.tokens, step.prompt_tokens)
     except Exception:
         reset_random_state()
         raise
+    finally:
+        steps.close()  # the library's generator stops now, not whenever it is collected
 
 
 def reset_random_state() -> None:
