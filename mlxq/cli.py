@@ -1,4 +1,4 @@
-"""The `mlxq` command: serve (web), worker, up (everything), models, transcribe."""
+"""The `mlxq` command: serve (web), worker, up (everything), models, transcribe, chat."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 import click
 
 from jobs.settings import load_settings
+from mlxq.chat_cli import chat
 from mlxq.models_cli import models
 from mlxq.transcribe_cli import transcribe
 
@@ -87,6 +88,7 @@ def up(host, port, web_workers):
 
 main.add_command(models)
 main.add_command(transcribe)
+main.add_command(chat)
 
 if __name__ == "__main__":
     main()
