@@ -117,8 +117,24 @@ class MultimodalRequest:
         return [self.messages]
 
 
-Request = TextRequest | TranscriptionRequest | MultimodalRequest
-_KINDS = {"text": TextRequest, "transcription": TranscriptionRequest, "multimodal": MultimodalRequest}
+CONTROL_ACTIONS = ("load", "unload", "pin", "unpin")
+
+
+@dataclass(frozen=True)
+class ControlRequest:
+    """An operator's change to what a worker holds (the admin API): run between requests, never beside one."""
+
+    id: str
+    model: ModelRef
+    action: str  # one of CONTROL_ACTIONS
+    is_async: bool = False
+    request_id: str | None = None
+    kind: str = field(default="control", init=False)
+
+
+Request = TextRequest | TranscriptionRequest | MultimodalRequest | ControlRequest
+_KINDS = {"text": TextRequest, "transcription": TranscriptionRequest, "multimodal": MultimodalRequest,
+          "control": ControlRequest}
 
 
 @dataclass(frozen=True)

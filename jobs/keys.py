@@ -54,3 +54,12 @@ def checkpoint_key(job_id: str) -> str:
 def checkpoint_segments(job_id: str) -> str:
     """Hash of a transcription's finished segments by id (JSON), kept across resumed runs."""
     return f"{PREFIX}:ckpt:{job_id}:segments"
+
+
+def worker_state(worker_name: str) -> str:
+    """JSON the worker writes every heartbeat: resident models, memory, the jobs in hand (jobs.workers)."""
+    return f"{PREFIX}:worker:{worker_name}:state"
+
+
+WORKER_STATE_PATTERN = f"{PREFIX}:worker:*:state"
+"""Pattern matching every live worker's state key."""

@@ -12,13 +12,14 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 
 import redis
 from rq.job import JobStatus
 
 from jobs import keys, records, spool
 from jobs.errors import Canceled, WorkerDied, error_data
-from jobs.events import DONE, ERROR, PROGRESS, EventPublisher, decode, has_ended
+from jobs.events import DELTA, DONE, ERROR, PROGRESS, EventPublisher, decode, has_ended
 from jobs.queues import fetch_job
 from jobs.settings import Settings
 from jobs.webhooks import enqueue_delivery
@@ -73,6 +74,7 @@ class JobRun:
         self.has_record = has_record  # an async job's; a synchronous call has none
         self.publisher = publisher_for(conn, settings)
         self.ended = False
+        self.first_output_at: float | None = None  # wall clock of its first delta (time to first token)
 
     def start(self, attempts: int | None = None) -> None:
         """Mark an async job's record running (and which RQ job runs it)."""
@@ -84,6 +86,8 @@ class JobRun:
 
     def publish(self, events: list[tuple[str, dict]]) -> None:
         """Publish events in one round trip; raise Canceled if the client asked to cancel the job."""
+        if self.first_output_at is None and any(kind == DELTA for kind, _ in events):
+            self.first_output_at = time.time()
         if events and self.publisher.publish_many(self.job_id, events)[1]:
             raise Canceled("the job was canceled")
 

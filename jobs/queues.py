@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from datetime import datetime, timezone
 
 import redis
 from rq import Queue
@@ -30,6 +31,7 @@ CHAT_COMPLETION = "chat_completion"
 TEXT_COMPLETION = "text_completion"
 TRANSCRIPTION = "transcription"
 MULTIMODAL_CHAT = "multimodal_chat"  # images or audio in it, or a vision model: runs alone, never batched
+CONTROL = "control"  # the admin API's load / unload / pin: runs alone, between requests
 
 
 class QueueFull(Exception):
@@ -90,3 +92,16 @@ def _take_back(connection: redis.Redis, queue: Queue, job) -> bool:
         return False
     job.delete(remove_from_queue=False)
     return True
+
+
+def depths(connection: redis.Redis) -> list[dict]:
+    """Each queue's waiting jobs and the oldest one's age in seconds (0 when empty), worker queues first."""
+    rows = []
+    for name in (*WORKER_QUEUES, WEBHOOKS):
+        queue = get_queue(name, connection)
+        oldest = next(iter(queue.get_job_ids(0, 1)), None)
+        job = fetch_job(connection, oldest) if oldest else None
+        age = (datetime.now(timezone.utc) - job.enqueued_at.replace(tzinfo=timezone.utc)).total_seconds() \
+            if job is not None and job.enqueued_at else 0.0
+        rows.append({"queue": name, "depth": queue.count, "oldest_age_s": round(max(0.0, age), 3)})
+    return rows

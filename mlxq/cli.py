@@ -1,4 +1,4 @@
-"""The `mlxq` command: serve (web), worker, up (everything), models, transcribe, chat."""
+"""The `mlxq` command: serve (web), worker, up (everything), models, transcribe, chat, admin."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 import click
 
 from jobs.settings import load_settings
+from mlxq.admin_cli import admin
 from mlxq.chat_cli import chat
 from mlxq.models_cli import models
 from mlxq.transcribe_cli import transcribe
@@ -22,7 +23,8 @@ def gunicorn_argv(host: str, port: int, workers: int) -> list[str]:
     """The gunicorn command line that runs the web tier with gevent workers."""
     return [sys.executable, "-m", "gunicorn", "--worker-class", "gevent", "--workers", str(workers),
             "--worker-connections", "1000", "--bind", f"{host}:{port}", "--graceful-timeout", "30",
-            "--timeout", "60", "--access-logfile", "-", "--log-level", "info", "web.app:create_app()"]
+            "--timeout", "60", "--access-logfile", "-", "--log-level", "info",
+            "--config", "python:web.gunicorn_conf", "web.app:create_app()"]
 
 
 @main.command()
@@ -89,6 +91,7 @@ def up(host, port, web_workers):
 main.add_command(models)
 main.add_command(transcribe)
 main.add_command(chat)
+main.add_command(admin)
 
 if __name__ == "__main__":
     main()

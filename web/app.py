@@ -9,10 +9,11 @@ from flask import Flask, g, request
 from werkzeug.exceptions import ClientDisconnected
 
 from jobs.settings import Settings, load_settings
-from web import audio_api, health, jobs_api, models_api, openai_api
+from web import admin_api, audio_api, health, jobs_api, models_api, openai_api
 from web.auth import register_auth
 from web.dashboard import mount_dashboard
 from web.errors import error_response, register_error_handlers
+from web.metrics import register_metrics
 from web.openapi import MlxqApi
 from web.services import Services
 
@@ -36,9 +37,10 @@ def create_app(settings: Settings | dict | None = None) -> Flask:
     _register_request_id(app)
     _register_body_timeout(app, settings.body_timeout_s)
     register_auth(app)
+    register_metrics(app)
     register_error_handlers(app)
     api = MlxqApi(app, settings)
-    for module in (openai_api, models_api, health, audio_api, jobs_api):
+    for module in (openai_api, models_api, health, audio_api, jobs_api, admin_api):
         api.register_blueprint(module.blp)
     mount_dashboard(app, settings.redis_url)
     register_error_handlers(app)  # again: Api() installs its own handlers; ours must win

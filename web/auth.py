@@ -4,7 +4,8 @@
 - API keys: every endpoint but /health and /ready needs one of them (or the admin key). A key owns the async
   jobs it creates: another key cannot see, follow, fetch or cancel them (they answer 404).
 - The admin key sees every job, and it alone opens the dashboard at /rq (which shows every user's
-  jobs, results and the server's internals). With API keys but no admin key, the dashboard is closed.
+  jobs, results and the server's internals), the admin API (/v1/admin/) and /metrics. With API keys
+  but no admin key, those are closed; a user key there is a 403.
 """
 
 from __future__ import annotations
@@ -70,6 +71,11 @@ def is_dashboard_path(path: str) -> bool:
     return path == "/rq" or path.startswith("/rq/")
 
 
+def is_admin_path(path: str) -> bool:
+    """Whether `path` is for operators only: the admin API and /metrics."""
+    return path == "/metrics" or path == "/v1/admin" or path.startswith("/v1/admin/")
+
+
 def _identify(settings) -> Caller:
     """The caller of this request, or an APIError saying why it is refused."""
     key = _presented_key()
@@ -83,11 +89,26 @@ def _identify(settings) -> Caller:
                            "dashboard_closed")
         raise APIError(401, "The dashboard needs the admin key (HTTP Basic: any user name, the key as password).",
                        "invalid_api_key", headers={"WWW-Authenticate": 'Basic realm="mlxq"'})
+    if is_admin_path(request.path):
+        return _admin_only(settings, key)
     if not settings.api_keys:
         return Caller(ANONYMOUS, admin=False)
     if _matches(key, settings.api_keys):
         return Caller(owner_of(key), admin=False)
     raise APIError(401, "Missing or invalid API key: send 'Authorization: Bearer <key>'.", "invalid_api_key")
+
+
+def _admin_only(settings, key: str | None) -> Caller:
+    """The caller of an operators' path (the admin key did not match): open only on an open server."""
+    if not settings.admin_key and not settings.api_keys:
+        return Caller(ANONYMOUS, admin=True)
+    if not settings.admin_key:
+        raise APIError(403, "The admin API and /metrics are closed: they open with the admin key (set "
+                            "MLXQ_ADMIN_KEY).", "admin_closed")
+    if _matches(key, settings.api_keys):
+        raise APIError(403, "This needs the admin key (MLXQ_ADMIN_KEY), not a user's key.", "admin_only")
+    raise APIError(401, "Missing or invalid admin key: send 'Authorization: Bearer <MLXQ_ADMIN_KEY>'.",
+                   "invalid_api_key")
 
 
 def register_auth(app: Flask) -> None:

@@ -22,14 +22,15 @@ import uuid
 
 import redis
 
-from jobs import keys
+from jobs import keys, workers
 from jobs.connection import get_redis
 from jobs.errors import JobError
 from jobs.lifecycle import liveness_value
 from jobs.queues import WORKER_QUEUES
 from jobs.settings import Settings, load_settings
 from jobs.store import ModelNotFound, resolve
-from workers import platform, rqjobs
+from workers import platform, rqjobs, worker_metrics
+from workers.backends.control import public_models
 from workers.recovery import clean_spool, recover
 
 log = logging.getLogger("workers.main")
@@ -70,9 +71,11 @@ def build_scheduler(settings: Settings, name: str, info: platform.PlatformInfo |
 
     info = info or platform.detect()
     backends = default_backends()
-    loaders = {backend.model_kind: backend.load for backend in backends.values()}
-    models = ModelManager(memory_budget_bytes(settings.memory_budget_mb, info.backend), info, loaders)
-    return Scheduler(get_redis(settings.redis_url, patient=True), settings, models, backends, name, burst=burst,
+    loaders = {backend.model_kind: backend.load for backend in backends.values() if backend.model_kind}
+    conn = get_redis(settings.redis_url, patient=True)
+    models = ModelManager(memory_budget_bytes(settings.memory_budget_mb, info.backend), info, loaders,
+                          on_load=lambda resident: worker_metrics.model_loaded(conn, resident))
+    return Scheduler(conn, settings, models, backends, name, burst=burst,
                      max_batch=settings.max_batch or default_max_batch(info.backend))
 
 
@@ -104,6 +107,8 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self._next_recovery = self._next_spool_clean = 0.0
+        self.started_at = int(time.time())
+        self.device = getattr(getattr(scheduler.models, "platform", None), "backend", None)
 
     def start(self) -> "Heartbeat":
         """Beat once now, then every settings.worker_heartbeat_s."""
@@ -116,7 +121,7 @@ class Heartbeat:
         self._stop.set()
         self._thread.join(10)
         try:
-            self.conn.delete(self.key)
+            self.conn.delete(self.key, keys.worker_state(self.scheduler.name))
             self.rq_worker.register_death()
         except redis.RedisError as exc:
             log.warning("could not unregister: %s", exc)
@@ -128,6 +133,16 @@ class Heartbeat:
             except redis.RedisError as exc:  # keep beating: Redis may come back before the key expires
                 log.warning("heartbeat failed: %s", exc)
 
+    def state(self, active: list) -> dict:
+        """What the admin API and /metrics show of this worker (read from the scheduler's thread-safe views)."""
+        models = self.scheduler.models
+        return {"host": socket.gethostname(), "pid": os.getpid(), "started_at": self.started_at,
+                "device": self.device, "budget_bytes": models.budget_bytes,
+                "used_bytes": sum(m["bytes"] for m in models.snapshot), "models": public_models(models.snapshot),
+                "jobs": [{"id": t.run.job_id, "kind": getattr(t.request, "kind", None), "queue": t.lane,
+                          "model": getattr(getattr(t.request, "model", None), "id", None),
+                          "running_s": round(time.monotonic() - t.started, 3)} for t in active]}
+
     def beat(self) -> None:
         """One heartbeat; now and then a recovery sweep and a spool cleanup."""
         self.conn.set(self.key, self.value, px=int(self.settings.worker_dead_after_s * 1000))
@@ -136,6 +151,7 @@ class Heartbeat:
             rqjobs.heartbeat(task.job, task.execution)
         self.rq_worker.heartbeat()
         self.rq_worker.set_state("busy" if active else "idle")
+        workers.write_state(self.conn, self.scheduler.name, self.state(active), self.settings.worker_dead_after_s)
         now = time.monotonic()
         if now >= self._next_recovery:
             self._next_recovery = now + RECOVERY_EVERY_S

@@ -143,11 +143,16 @@ def params_nbytes(model) -> int:
 class ModelManager:
     """Resident models within a byte budget (LRU eviction); one loader per model kind."""
 
-    def __init__(self, budget_bytes: int, platform: PlatformInfo, loaders: dict[str, Loader]):
+    def __init__(self, budget_bytes: int, platform: PlatformInfo, loaders: dict[str, Loader],
+                 on_load: Callable[[Resident], None] | None = None):
         self.budget_bytes = budget_bytes
         self.platform = platform
         self.loaders = loaders
+        self.on_load = on_load or (lambda resident: None)  # the worker records a metric
         self._models: OrderedDict[str, Resident] = OrderedDict()  # least recently used first
+        self.pinned: set[str] = set()  # directories an operator pinned: never evicted
+        self.in_use: Callable[[], set[str]] = set  # directories requests are using now (the scheduler's)
+        self.snapshot: list[dict] = []  # list(), rebuilt on every change: what other threads may read
 
     def get(self, info, pinned: frozenset | set = frozenset()) -> Resident:
         """Return the model resident, loading it (and evicting others, never a `pinned` one) if needed.
@@ -158,8 +163,10 @@ class ModelManager:
         if key in self._models:
             self._models.move_to_end(key)
             return self._models[key]
-        resident = self._load(info, {str(Path(p).resolve()) for p in pinned})
+        resident = self._load(info, {str(Path(p).resolve()) for p in pinned} | self.pinned)
         self._models[key] = resident
+        self._changed()
+        self.on_load(resident)
         return resident
 
     def load(self, info) -> Resident:
@@ -203,16 +210,42 @@ class ModelManager:
             victim = self._models.pop(victims[0])
             log.info("evicting %s (%.0f MiB) to make room", victim.info.id, victim.nbytes / 2**20)
             del victim
+            self._changed()
             _free_memory()
 
     def unload(self, model_path: str | Path) -> bool:
-        """Drop a resident model (by directory); True if it was loaded."""
-        victim = self._models.pop(str(Path(model_path).resolve()), None)
+        """Drop a resident model (by directory) and its pin; True if it was loaded. A model that requests
+        are using now is not dropped (JobError 409)."""
+        key = str(Path(model_path).resolve())
+        if key in {str(Path(p).resolve()) for p in self.in_use()}:
+            raise JobError("the model is in use by requests running now; unload it when they are done",
+                           status=409, code="model_in_use", param="model")
+        self.pinned.discard(key)
+        victim = self._models.pop(key, None)
+        self._changed()
         if victim is None:
             return False
         del victim
         _free_memory()
         return True
+
+    def pin(self, info) -> Resident:
+        """Load a model if needed and keep it: LRU eviction passes it by until it is unpinned."""
+        resident = self.get(info)
+        self.pinned.add(str(Path(info.path).resolve()))
+        self._changed()
+        return resident
+
+    def unpin(self, model_path: str | Path) -> bool:
+        """Let a pinned model be evicted again; True if it was pinned."""
+        key = str(Path(model_path).resolve())
+        was = key in self.pinned
+        self.pinned.discard(key)
+        self._changed()
+        return was
+
+    def _changed(self) -> None:
+        self.snapshot = self.list()
 
     def used_bytes(self) -> int:
         """Bytes held by resident models."""
@@ -221,7 +254,7 @@ class ModelManager:
     def list(self) -> list[dict]:
         """Resident models, least recently used first (for logs and admin views)."""
         return [{"id": r.info.id, "path": str(r.info.path), "bytes": r.nbytes, "float32": r.float32,
-                 "load_s": round(r.load_s, 3)} for r in self._models.values()]
+                 "load_s": round(r.load_s, 3), "pinned": key in self.pinned} for key, r in self._models.items()]
 
 
 def _free_memory() -> None:

@@ -12,7 +12,7 @@ from rq.job import Job
 from jobs import records
 from jobs.errors import JobError
 from jobs.lifecycle import JobRun
-from workers import rqjobs
+from workers import rqjobs, worker_metrics
 from workers.backends.base import Outcome
 from workers.recovery import enqueue_continuation
 
@@ -35,12 +35,14 @@ class Task:
     started: float = field(default_factory=time.monotonic)
     gen: object = None  # a solo task's run, in pieces
     used_s: float = 0.0  # time spent running a solo task's pieces (pauses don't count)
+    waited_s: float | None = None  # time in its queue before it started
 
 
 def finish(scheduler, task: Task, outcome: Outcome) -> None:
     """End a task with its answer, then close its run (the answer is out first)."""
     task.run.finish(outcome.done, outcome.result, outcome.before)
     rqjobs.succeed(task.job, task.execution, outcome.done)
+    worker_metrics.job_ended(scheduler.conn, task, outcome.done, None)
     scheduler.release(task)
     log.info("finished %s in %.2fs", task.job.id, time.monotonic() - task.started)
 
@@ -49,6 +51,7 @@ def fail(scheduler, task: Task, exc: BaseException) -> None:
     """End a task with the error `exc` means to a client."""
     data = task.run.fail(exc)
     rqjobs.fail(task.job, task.execution, f"{data['code']}: {data['message']}")
+    worker_metrics.job_ended(scheduler.conn, task, None, exc)
     scheduler.release(task)
     log.info("failed %s: %s %s", task.job.id, data["status"], data["code"])
 

@@ -37,7 +37,7 @@ from jobs.errors import InvalidRequest, JobError, JobTimeout, WorkerShutdown
 from jobs.lifecycle import JobRun
 from jobs.queues import BATCH, CHAT_COMPLETION, INTERACTIVE, TEXT_COMPLETION, WORKER_QUEUES, get_queue
 from jobs.settings import Settings
-from workers import rqjobs
+from workers import rqjobs, worker_metrics
 from workers.backends.base import Outcome
 from workers.backends.textbatch import TextBatch, batchable
 from workers.backends.textgen import reset_random_state
@@ -79,6 +79,7 @@ class Scheduler:
         self._next_look = 0.0
         self._text_since_solo = 0.0  # seconds of batch steps since a solo task last had a piece
         self._turn = 0
+        models.in_use = self._models_in_use  # the model manager never unloads these (admin unload)
 
     def active(self) -> list[Task]:
         """The tasks in progress (the heartbeat thread reads them too)."""
@@ -112,6 +113,12 @@ class Scheduler:
         else:
             self._advance(unit)
         return True
+
+    def _models_in_use(self) -> set[str]:
+        """Directories of the models that running requests use (batches and solo tasks)."""
+        solo = {str(t.request.model.path) for t in self.solo.values() if t is not None and t.request is not None
+                and t.request.kind != "control"}
+        return set(self.text) | solo
 
     # --- taking jobs ---------------------------------------------------------------------------
 
@@ -157,7 +164,8 @@ class Scheduler:
         payload = job.args[0] if job.args and isinstance(job.args[0], dict) else {}
         run = JobRun(self.conn, self.settings, str(payload.get("id") or job.id), rq_job_id=job.id,
                      has_record=bool(payload.get("is_async", True)))
-        task = Task(job, execution, None, run, None, queue.name, float(job.timeout or 3600))
+        task = Task(job, execution, None, run, None, queue.name, float(job.timeout or 3600),
+                    waited_s=worker_metrics.queue_wait_s(job))
         with self._lock:
             self._running.add(task)
         try:

@@ -239,7 +239,9 @@ class TextBatch:
 
     def _send(self, batches: list) -> list[bool]:
         """Publish several requests' deltas in one round trip; whether each one's client canceled."""
-        publisher = batches[0][0].run.publisher
+        publisher, now = batches[0][0].run.publisher, time.time()
+        for task, _ in batches:
+            task.run.first_output_at = task.run.first_output_at or now
         return publisher.publish_pipelined([(task.run.job_id, events) for task, events in batches])
 
     @staticmethod

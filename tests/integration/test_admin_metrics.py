@@ -1,0 +1,127 @@
+"""The operators' surface with the real service: the admin API changes what the worker holds, and
+/metrics counts a known set of requests exactly."""
+
+from __future__ import annotations
+
+from click.testing import CliRunner
+from prometheus_client.parser import text_string_to_metric_families
+
+from mlxq.admin_cli import admin
+from tests.conftest import REPO, wait_until
+
+TEXT, SPEECH = "smollm2-135m", "whisper-tiny.en"
+
+
+def scrape(api) -> dict[tuple, float]:
+    """Every sample of /metrics, parsed with prometheus_client's own parser: {(name, labels): value}."""
+    response = api.get("/metrics")
+    assert response.status_code == 200 and response.headers["Content-Type"].startswith("text/plain")
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(response.text) for s in family.samples}
+
+
+def value(samples: dict, name: str, **labels) -> float:
+    """One sample's value (0 when it does not exist yet)."""
+    return samples.get((name, tuple(sorted((k, str(v)) for k, v in labels.items()))), 0.0)
+
+
+def resident(api) -> dict[str, dict]:
+    """The models the (only) worker holds, by id, as its last heartbeat wrote them."""
+    workers = api.get("/v1/admin/workers").json()["data"]
+    assert len(workers) == 1, workers
+    return {m["id"]: m for m in workers[0]["models"]}
+
+
+def holds(api, check) -> dict:
+    """Wait for the worker's next heartbeats (one a second) to show what `check` expects."""
+    return wait_until(lambda: check(resident(api)), 10, interval=0.1, what="the worker's state to show it")
+
+
+def action(api, name: str, model: str) -> dict:
+    response = api.post(f"/v1/admin/models/{name}", json={"model": model})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_admin_load_pin_unload_change_what_the_worker_holds(api):
+    worker = api.get("/v1/admin/workers").json()["data"][0]
+    assert worker["device"] == "cpu" and worker["budget_bytes"] > 0 and "path" not in str(worker["models"])
+
+    loaded = action(api, "load", SPEECH)
+    assert loaded["model"] == SPEECH and SPEECH in {m["id"] for m in loaded["resident"]}
+    holds(api, lambda models: SPEECH in models)
+    pinned = action(api, "pin", SPEECH)
+    assert pinned["changed"] is True and {m["id"]: m["pinned"] for m in pinned["resident"]}[SPEECH] is True
+    holds(api, lambda models: models[SPEECH]["pinned"])
+    assert action(api, "unpin", SPEECH)["changed"] is True
+    holds(api, lambda models: not models[SPEECH]["pinned"])
+    unloaded = action(api, "unload", SPEECH)
+    assert unloaded["changed"] is True and SPEECH not in {m["id"] for m in unloaded["resident"]}
+    holds(api, lambda models: SPEECH not in models)
+    assert action(api, "unload", SPEECH)["changed"] is False  # nothing left to unload
+
+
+def test_an_unloaded_model_is_loaded_again_by_the_next_request(api):
+    before = value(scrape(api), "mlxq_model_load_seconds_count", model=TEXT)
+    assert action(api, "unload", TEXT)["changed"] is True
+    holds(api, lambda models: TEXT not in models)
+    chat = api.post("/v1/chat/completions", json={"model": TEXT, "max_tokens": 2, "temperature": 0,
+                                                  "messages": [{"role": "user", "content": "Hi"}]})
+    assert chat.status_code == 200, chat.text
+    holds(api, lambda models: TEXT in models)
+    assert value(scrape(api), "mlxq_model_load_seconds_count", model=TEXT) == before + 1
+
+
+def test_admin_errors(api):
+    missing = api.post("/v1/admin/models/load", json={"model": "no-such-model"})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert api.post("/v1/admin/models/explode", json={"model": TEXT}).status_code == 404
+    assert api.post("/v1/admin/models/load", json={}).status_code == 400
+
+
+def test_queues_are_listed(api):
+    rows = {q["queue"]: q for q in api.get("/v1/admin/queues").json()["data"]}
+    assert set(rows) == {"interactive", "batch", "webhooks"}
+    assert all(isinstance(q["depth"], int) and q["oldest_age_s"] >= 0 for q in rows.values())
+
+
+def test_mlxq_admin_cli(service):
+    result = CliRunner().invoke(admin, ["workers", "--url", service.base_url])
+    assert result.exit_code == 0, result.output
+    assert "cpu" in result.output and TEXT in result.output
+    loaded = CliRunner().invoke(admin, ["load", SPEECH, "--url", service.base_url])
+    assert loaded.exit_code == 0 and f"load {SPEECH}" in loaded.output, loaded.output
+    CliRunner().invoke(admin, ["unload", SPEECH, "--url", service.base_url])
+
+
+def test_metrics_count_a_known_set_of_requests(api):
+    before = scrape(api)
+    tokens = 0
+    for question in ("Hi", "Name a colour.", "Count to three."):
+        answer = api.post("/v1/chat/completions", json={"model": TEXT, "max_tokens": 5, "temperature": 0,
+                                                        "messages": [{"role": "user", "content": question}]})
+        assert answer.status_code == 200, answer.text
+        tokens += answer.json()["usage"]["completion_tokens"]
+    assert api.get("/v1/nothing-here").status_code == 404
+    audio = (REPO / "tests" / "fixtures" / "speech" / "weather.wav").read_bytes()
+    transcript = api.post("/v1/audio/transcriptions", data={"model": SPEECH, "response_format": "verbose_json"},
+                          files={"file": ("weather.wav", audio)})
+    assert transcript.status_code == 200, transcript.text
+    after = scrape(api)
+
+    def grew(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert grew("mlxq_http_requests_total", endpoint="/v1/chat/completions", method="POST", status=200) == 3
+    assert grew("mlxq_http_requests_total", endpoint="<unmatched>", method="GET", status=404) == 1
+    assert grew("mlxq_http_request_duration_seconds_count", endpoint="/v1/chat/completions") == 3
+    assert grew("mlxq_job_duration_seconds_count", kind="text", outcome="succeeded") == 3
+    assert grew("mlxq_job_duration_seconds_count", kind="transcription", outcome="succeeded") == 1
+    assert grew("mlxq_queue_wait_seconds_count", queue="interactive", kind="text") == 3
+    assert grew("mlxq_time_to_first_token_seconds_count", model=TEXT) == 3
+    assert grew("mlxq_generated_tokens_total", model=TEXT) == tokens
+    assert abs(grew("mlxq_audio_seconds_transcribed_total", model=SPEECH) - transcript.json()["duration"]) < 0.01
+    assert value(after, "mlxq_workers") == 1
+    assert value(after, "mlxq_queue_depth", queue="interactive") == 0
+    assert value(after, "mlxq_resident_model_bytes", worker=api.get("/v1/admin/workers").json()["data"][0]["name"],
+                 model=TEXT) > 0

@@ -1,0 +1,70 @@
+"""The model manager's bookkeeping: LRU within the budget, pins, models in use (pure logic: the
+"model" a loader returns here is just its size in bytes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from jobs.errors import JobError
+from workers.models import ModelManager
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Ref:
+    id: str
+    path: Path
+    kind: str = "text"
+
+
+@pytest.fixture()
+def manager(monkeypatch):
+    monkeypatch.setattr("workers.models.params_nbytes", lambda model: model)
+    monkeypatch.setattr("workers.models._free_memory", lambda: None)
+    manager = ModelManager(3 * MIB, None, {"text": lambda path, float32: (MIB, None)})
+    manager.plan = lambda info: (MIB, False)  # every model: 1 MiB, as stored
+    return manager
+
+
+@pytest.fixture()
+def refs(tmp_path):
+    out = []
+    for name in "abcd":
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+        out.append(Ref(name, tmp_path / name))
+    return out
+
+
+def test_pinned_model_is_never_evicted(manager, refs):
+    a, b, c, d = refs
+    manager.pin(a)
+    manager.get(b)
+    manager.get(c)
+    manager.get(d)  # over the 3 MiB budget: the least recently used unpinned one (b) goes
+    assert [m["id"] for m in manager.snapshot] == ["a", "c", "d"]
+    assert [m["pinned"] for m in manager.snapshot] == [True, False, False]
+    assert manager.unpin(a.path) is True and manager.unpin(a.path) is False
+
+
+def test_a_model_in_use_is_not_unloaded(manager, refs):
+    a = refs[0]
+    manager.get(a)
+    manager.in_use = lambda: {str(a.path)}
+    with pytest.raises(JobError) as info:
+        manager.unload(a.path)
+    assert info.value.status == 409 and [m["id"] for m in manager.snapshot] == ["a"]
+    manager.in_use = set
+    assert manager.unload(a.path) is True and manager.snapshot == []
+
+
+def test_each_load_is_reported_once(manager, refs):
+    loaded = []
+    manager.on_load = loaded.append
+    manager.get(refs[0])
+    manager.get(refs[0])
+    assert [r.info.id for r in loaded] == ["a"]

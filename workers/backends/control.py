@@ -1,0 +1,48 @@
+"""The admin API's control jobs: load, unload, pin or unpin a model in this worker.
+
+They come through the interactive queue like any request, so they run between the pieces of other
+work on the scheduler's thread and never race a generation; a model that requests are using is
+not unloaded (409 model_in_use).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from jobs.contract import ControlRequest
+from workers.backends.base import Outcome
+
+
+class ControlBackend:
+    """Control requests behind the backend interface (workers/backends/base.py)."""
+
+    model_kind = None  # loads nothing itself: the model manager loads with the model's own backend
+    model_kinds = frozenset({"text", "vision", "speech"})
+    resumable = False
+
+    def run(self, request: ControlRequest, job, models) -> Iterator[Outcome | None]:
+        """Do the action in one piece; answer with what the worker holds afterwards."""
+        path = request.model.path
+        if request.action == "load":
+            changed = not _resident(models, path)
+            models.load(request.model)
+        elif request.action == "pin":
+            changed = not any(m["pinned"] for m in models.snapshot if m["id"] == request.model.id)
+            models.pin(request.model)
+        elif request.action == "unpin":
+            changed = models.unpin(path)
+        else:
+            changed = models.unload(path)
+        yield Outcome({"object": "admin.model_action", "action": request.action, "model": request.model.id,
+                       "changed": changed, "resident": public_models(models.snapshot),
+                       "used_bytes": models.used_bytes(), "budget_bytes": models.budget_bytes})
+
+
+def _resident(models, path) -> bool:
+    return str(Path(path).resolve()) in {str(Path(m["path"]).resolve()) for m in models.snapshot}
+
+
+def public_models(snapshot: list[dict]) -> list[dict]:
+    """Resident models as operators see them: no server paths."""
+    return [{k: v for k, v in m.items() if k != "path"} for m in snapshot]

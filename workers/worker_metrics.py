@@ -1,0 +1,50 @@
+"""What the worker adds to the metrics kept in Redis (jobs.metrics): queue waits, job ends with their
+tokens or audio seconds, time to first token, model loads; each in one round trip after the answer."""
+
+from __future__ import annotations
+
+import time
+from datetime import timezone
+
+import redis
+
+from jobs import metrics
+from jobs.errors import Canceled
+
+TEXT_KINDS = frozenset({"text", "multimodal"})
+
+
+def _enqueued_at(job) -> float | None:
+    """When RQ enqueued the job (wall clock), if it says."""
+    return job.enqueued_at.replace(tzinfo=timezone.utc).timestamp() if job.enqueued_at else None
+
+
+def queue_wait_s(job) -> float | None:
+    """How long a job that is starting now waited in its queue (recorded when it ends: no round trip
+    before its work starts)."""
+    enqueued = _enqueued_at(job)
+    return None if enqueued is None else max(0.0, time.time() - enqueued)
+
+
+def job_ended(conn: redis.Redis, task, done: dict | None, error: BaseException | None) -> None:
+    """A job ended (`done`: its answer, or `error`): its wait, its duration, and what it produced."""
+    kind = getattr(task.request, "kind", None) or "unknown"
+    outcome = "succeeded" if error is None else "canceled" if isinstance(error, Canceled) else "failed"
+    samples = [(metrics.JOB_DURATION, (kind, outcome), time.monotonic() - task.started)]
+    if task.waited_s is not None:
+        samples.append((metrics.QUEUE_WAIT, (task.lane, kind), task.waited_s))
+    model = getattr(getattr(task.request, "model", None), "id", "unknown")
+    if done is not None and kind in TEXT_KINDS:
+        samples.append((metrics.GENERATED_TOKENS, (model,), done.get("usage", {}).get("completion_tokens", 0)))
+        enqueued = _enqueued_at(task.job)
+        if enqueued is not None:
+            first = task.run.first_output_at or time.time()  # an answer with no delta before it: now
+            samples.append((metrics.TIME_TO_FIRST_TOKEN, (model,), max(0.0, first - enqueued)))
+    elif done is not None and kind == "transcription":
+        samples.append((metrics.AUDIO_SECONDS, (model,), float((done.get("result") or {}).get("duration") or 0)))
+    metrics.record(conn, samples)
+
+
+def model_loaded(conn: redis.Redis, resident) -> None:
+    """A model was loaded: how long it took."""
+    metrics.record(conn, [(metrics.MODEL_LOAD, (resident.info.id,), resident.load_s)])
