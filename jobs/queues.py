@@ -23,7 +23,11 @@ WEBHOOKS = "webhooks"
 """Webhook deliveries, drained by a plain RQ worker, never the GPU worker."""
 
 WORKER_QUEUES = (INTERACTIVE, BATCH)
-"""The GPU worker's queues, in priority order."""
+"""The GPU worker's queues, in priority order (a worker that serves any model)."""
+
+MODEL_SEPARATOR = "@"
+"""A worker that serves only some models (`mlxq worker --models a,b`) takes jobs from each one's
+own queues, `interactive@a`, `batch@a`...; the web routes a model's jobs there (web/routing.py)."""
 
 # What an RQ job on the worker's queues names as its function: the kind of request it carries. The
 # worker's scheduler runs requests itself (workers/scheduler.py); RQ never imports these.
@@ -36,6 +40,30 @@ CONTROL = "control"  # the admin API's load / unload / pin: runs alone, between 
 
 class QueueFull(Exception):
     """The queue holds more jobs than settings.max_queued allows."""
+
+
+def lane_of(queue_name: str) -> str:
+    """`interactive` or `batch`: which of the two a queue is, whatever model it is for."""
+    return queue_name.split(MODEL_SEPARATOR, 1)[0]
+
+
+def model_queue(lane: str, model_id: str | None) -> str:
+    """The queue of `lane` for one model's dedicated workers (model_id None: the shared queue)."""
+    return lane if model_id is None else f"{lane}{MODEL_SEPARATOR}{model_id}"
+
+
+def worker_queue_names(models: list[str] | tuple[str, ...] | None) -> list[str]:
+    """The queues a worker takes jobs from, interactive ones first: the shared two, or its models' own."""
+    if not models:
+        return list(WORKER_QUEUES)
+    return [model_queue(lane, model) for lane in WORKER_QUEUES for model in models]
+
+
+def known_worker_queues(connection: redis.Redis) -> list[str]:
+    """Every worker queue RQ knows of (the shared two first, then the models' own, by name)."""
+    names = {q.name for q in Queue.all(connection=connection, serializer=JSONSerializer)}
+    dedicated = sorted(n for n in names if lane_of(n) in WORKER_QUEUES and n not in WORKER_QUEUES)
+    return [*WORKER_QUEUES, *dedicated]
 
 
 def new_job_id(kind: str) -> str:
@@ -97,7 +125,7 @@ def _take_back(connection: redis.Redis, queue: Queue, job) -> bool:
 def depths(connection: redis.Redis) -> list[dict]:
     """Each queue's waiting jobs and the oldest one's age in seconds (0 when empty), worker queues first."""
     rows = []
-    for name in (*WORKER_QUEUES, WEBHOOKS):
+    for name in (*known_worker_queues(connection), WEBHOOKS):
         queue = get_queue(name, connection)
         oldest = next(iter(queue.get_job_ids(0, 1)), None)
         job = fetch_job(connection, oldest) if oldest else None

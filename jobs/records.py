@@ -119,11 +119,13 @@ def get_result(conn: redis.Redis, job_id: str) -> dict | None:
 
 
 def queue_position(conn: redis.Redis, job_id: str) -> int | None:
-    """0-based position of the job's current RQ job in `batch`, None when it is not waiting there."""
+    """0-based position of the job's current RQ job in its queue, None when it is not waiting there."""
     record = load(conn, job_id)
     if record is None:
         return None
-    position = conn.lpos(f"rq:queue:{BATCH}", record.get("rq_job_id") or job_id)
+    rq_job_id = record.get("rq_job_id") or job_id
+    queue = conn.hget(f"rq:job:{rq_job_id}", "origin")  # `batch`, or its model's own batch queue
+    position = conn.lpos(f"rq:queue:{(queue or BATCH.encode()).decode()}", rq_job_id)
     return None if position is None else int(position)
 
 

@@ -38,11 +38,15 @@ def serve(host, port, workers):
 
 
 @main.command()
-def worker():
+@click.option("--models", default=None, help="Serve only these models (comma-separated), from their own queues; "
+              "several such workers, on one machine or many, share one Redis.")
+@click.option("--name", default=None, help="Worker name (default: mlxq-<host>-<pid>-<random>).")
+def worker(models, name):
     """Run the MLX worker (one process that owns the GPU and drains the queues)."""
     from workers.main import main as worker_main
 
-    sys.exit(worker_main([]))
+    argv = [*(["--models", models] if models else []), *(["--name", name] if name else [])]
+    sys.exit(worker_main(argv))
 
 
 @main.command("webhook-worker")

@@ -16,6 +16,7 @@ from jobs.events import DONE, ERROR
 from jobs.lifecycle import fail_if_orphaned, request_cancel
 from jobs.subscriber import IDLE, follow
 from web.errors import APIError
+from web.routing import queue_for
 from web.services import Services, services
 from web.sse import SSE_HEADERS, sse_comment, sse_data
 
@@ -30,10 +31,12 @@ CLIENT_CHECK_S = 1.0
 
 def submit(request: Request, func: str, description: str, queue: str = queues.INTERACTIVE,
            timeout_s: int | None = None, meta: dict | None = None) -> str:
-    """Enqueue a request under its id (a synchronous call's by default: on `interactive`); return the id."""
+    """Enqueue a request under its id (a synchronous call's by default: on `interactive`, or that lane's
+    queue for the model's dedicated workers: web/routing.py); return the id."""
     svc = services()
     timeout_s = timeout_s or int(svc.settings.sync_timeout_s) + 60
     try:
+        queue = queue_for(queue, request.model.id)
         queues.enqueue(svc.redis, svc.settings, queue, func, to_payload(request), request.id,
                        description=description, timeout_s=timeout_s,
                        meta={"request_id": g.request_id, **(meta or {})})

@@ -20,6 +20,7 @@ class Services:
     settings: Settings
     started_at: float = field(default_factory=time.time)
     _hub: EventHub | None = None
+    _routes: tuple | None = None  # (expires, live workers' states): web/routing.py
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property

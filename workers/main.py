@@ -26,7 +26,7 @@ from jobs import keys, workers
 from jobs.connection import get_redis
 from jobs.errors import JobError
 from jobs.lifecycle import liveness_value
-from jobs.queues import WORKER_QUEUES
+from jobs.queues import worker_queue_names
 from jobs.settings import Settings, load_settings
 from jobs.store import ModelNotFound, resolve
 from workers import platform, rqjobs, worker_metrics
@@ -53,7 +53,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="mlxq worker", description=__doc__.splitlines()[0])
     parser.add_argument("--burst", action="store_true", help="drain the queues, then exit")
     parser.add_argument("--name", default=None, help="worker name (default: mlxq-<host>-<pid>-<random>)")
+    parser.add_argument("--models", default=None,
+                        help="serve only these models (comma-separated ids or aliases), from their own queues; "
+                             "default: any model, from the shared queues")
     return parser.parse_args(argv)
+
+
+def dedicated_models(spec: str | None, settings: Settings) -> list[str] | None:
+    """The catalog ids of `--models` (None: any model); exits naming a model the store does not have."""
+    if not spec:
+        return None
+    ids = []
+    for ref in (part.strip() for part in spec.split(",") if part.strip()):
+        try:
+            ids.append(resolve(ref, settings).id)
+        except ModelNotFound as exc:
+            raise SystemExit(f"mlxq worker --models: {exc}") from None
+    return list(dict.fromkeys(ids))
 
 
 def configure_logging() -> None:
@@ -63,7 +79,7 @@ def configure_logging() -> None:
 
 
 def build_scheduler(settings: Settings, name: str, info: platform.PlatformInfo | None = None,
-                    burst: bool = False):
+                    burst: bool = False, serves: list[str] | None = None):
     """The scheduler with its model manager and backends (imports MLX: call it after the BLAS choice)."""
     from workers.backends import default_backends
     from workers.models import ModelManager, memory_budget_bytes
@@ -76,7 +92,8 @@ def build_scheduler(settings: Settings, name: str, info: platform.PlatformInfo |
     models = ModelManager(memory_budget_bytes(settings.memory_budget_mb, info.backend), info, loaders,
                           on_load=lambda resident: worker_metrics.model_loaded(conn, resident))
     return Scheduler(conn, settings, models, backends, name, burst=burst,
-                     max_batch=settings.max_batch or default_max_batch(info.backend))
+                     max_batch=settings.max_batch or default_max_batch(info.backend),
+                     queue_names=worker_queue_names(serves), serves=serves)
 
 
 def default_max_batch(device: str) -> int:
@@ -84,15 +101,17 @@ def default_max_batch(device: str) -> int:
     return DEFAULT_MAX_BATCH.get(device, DEFAULT_MAX_BATCH["cpu"])
 
 
-def warm_default_model(scheduler, settings: Settings) -> None:
-    """Load the default model now so the first request does not pay for it; one missing or too large warns."""
-    try:
-        resident = scheduler.models.load(resolve(settings.default_model, settings))
-    except (ModelNotFound, JobError) as exc:
-        # The worker can still serve other models; requests for this one get the same error.
-        log.warning("default model not warmed: %s", exc)
-        return
-    log.info("warmed %s in %.2fs", resident.info.id, resident.load_s)
+def warm_models(scheduler, settings: Settings) -> None:
+    """Load the worker's models now (its --models, else the default model) so the first request does not
+    pay for it; one missing or too large warns."""
+    for ref in scheduler.serves or [settings.default_model]:
+        try:
+            resident = scheduler.models.load(resolve(ref, settings))
+        except (ModelNotFound, JobError) as exc:
+            # The worker can still serve other models; requests for this one get the same error.
+            log.warning("model %s not warmed: %s", ref, exc)
+            continue
+        log.info("warmed %s in %.2fs", resident.info.id, resident.load_s)
 
 
 class Heartbeat:
@@ -137,6 +156,7 @@ class Heartbeat:
         """What the admin API and /metrics show of this worker (read from the scheduler's thread-safe views)."""
         models = self.scheduler.models
         return {"host": socket.gethostname(), "pid": os.getpid(), "started_at": self.started_at,
+                "serves": self.scheduler.serves, "queues": list(self.scheduler.queues),
                 "device": self.device, "budget_bytes": models.budget_bytes,
                 "used_bytes": sum(m["bytes"] for m in models.snapshot), "models": public_models(models.snapshot),
                 "jobs": [{"id": t.run.job_id, "kind": getattr(t.request, "kind", None), "queue": t.lane,
@@ -201,12 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     settings = load_settings()
     info = apply_platform_choice(argv)
     name = args.name or f"mlxq-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-    scheduler = build_scheduler(settings, name, info, burst=args.burst)
+    scheduler = build_scheduler(settings, name, info, burst=args.burst,
+                                serves=dedicated_models(args.models, settings))
     recover(scheduler.conn, settings, name)
-    warm_default_model(scheduler, settings)
+    warm_models(scheduler, settings)
     heartbeat = Heartbeat(scheduler, settings).start()
     log.info("worker %s on queues %s | backend %s | BLAS %s | model budget %.0f MiB | float32 up to %.0f MiB",
-             name, ",".join(WORKER_QUEUES), info.backend, info.blas.describe(),
+             name, ",".join(scheduler.queues), info.backend, info.blas.describe(),
              scheduler.models.budget_bytes / 2**20, info.float32_max_bytes / 2**20)
     _install_stop_signals(scheduler)
     try:

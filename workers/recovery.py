@@ -24,7 +24,7 @@ from jobs import contract, keys, records
 from jobs.connection import get_redis
 from jobs.errors import JobError, WorkerDied
 from jobs.lifecycle import end, worker_is_dead
-from jobs.queues import BATCH, INTERACTIVE, TRANSCRIPTION, fetch_job, get_queue
+from jobs.queues import BATCH, TRANSCRIPTION, fetch_job, get_queue, known_worker_queues, lane_of
 from jobs.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ CONTINUATION_TIMEOUT_S = 3600
 def recover(conn: redis.Redis, settings: Settings, own_name: str) -> list[str]:
     """Fail or resume every job a dead worker was running; return their ids (logical ones)."""
     recovered = []
-    for queue in (INTERACTIVE, BATCH):
+    for queue in known_worker_queues(conn):
         registry = StartedJobRegistry(queue, connection=conn, serializer=JSONSerializer)
         for rq_id, execution_id in registry.get_job_and_execution_ids(cleanup=False):
             job = fetch_job(conn, rq_id)
@@ -48,7 +48,8 @@ def recover(conn: redis.Redis, settings: Settings, own_name: str) -> list[str]:
                 conn.zrem(registry.key, f"{rq_id}:{execution_id}")  # its hash expired: nothing to run
             elif job.worker_name != own_name and worker_is_dead(conn, job.worker_name):
                 _retire(conn, registry, job, execution_id)
-                recovered.append(_restart(conn, settings, job) if queue == BATCH else _fail_dead(conn, settings, job))
+                recovered.append(_restart(conn, settings, job) if lane_of(queue) == BATCH
+                                 else _fail_dead(conn, settings, job))
     if recovered:
         log.warning("recovered %d job(s) from a dead worker: %s", len(recovered), ", ".join(recovered))
     return recovered
@@ -93,11 +94,13 @@ def _restart(conn: redis.Redis, settings: Settings, job: Job) -> str:
 
 
 def enqueue_continuation(conn: redis.Redis, settings: Settings, job: Job, request, attempts: int | None = None):
-    """Enqueue the request again, resuming from its checkpoint, at the front of `batch` ("<id>_<n>")."""
+    """Enqueue the request again, resuming from its checkpoint, at the front of its batch queue (the shared
+    one, or its model's own) as "<id>_<n>"."""
     number = conn.hincrby(keys.checkpoint_key(request.id), "continuations", 1)
     payload = {**contract.to_payload(request), "resume": True, "attempts": attempts or request.attempts}
     # Not jobs.queues.enqueue: its queue-length limit is for new work, not work already accepted.
-    return get_queue(BATCH, conn).enqueue(
+    queue = job.origin if job.origin and lane_of(job.origin) == BATCH else BATCH
+    return get_queue(queue, conn).enqueue(
         job.func_name or TRANSCRIPTION, payload, job_id=f"{request.id}_{number}", at_front=True,
         job_timeout=int(job.timeout or CONTINUATION_TIMEOUT_S), result_ttl=settings.result_ttl_s,
         failure_ttl=settings.result_ttl_s, ttl=settings.result_ttl_s, meta={"job_id": request.id, "continuation": number},
