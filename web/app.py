@@ -9,7 +9,7 @@ from flask import Flask, g, request
 from werkzeug.exceptions import ClientDisconnected
 
 from jobs.settings import Settings, load_settings
-from web import admin_api, audio_api, health, jobs_api, models_api, openai_api
+from web import admin_api, audio_api, health, jobs_api, models_api, openai_api, pages
 from web.auth import register_auth
 from web.dashboard import mount_dashboard
 from web.errors import error_response, register_error_handlers
@@ -32,6 +32,7 @@ def create_app(settings: Settings | dict | None = None) -> Flask:
         OPENAPI_URL_PREFIX="/",
         OPENAPI_JSON_PATH="openapi.json",
         MAX_CONTENT_LENGTH=settings.max_body_kb * 1024,
+        **pages.SWAGGER_UI_CONFIG,
     )
     app.extensions["mlxq"] = Services(settings)
     _register_request_id(app)
@@ -42,6 +43,7 @@ def create_app(settings: Settings | dict | None = None) -> Flask:
     api = MlxqApi(app, settings)
     for module in (openai_api, models_api, health, audio_api, jobs_api, admin_api):
         api.register_blueprint(module.blp)
+    app.register_blueprint(pages.bp)
     mount_dashboard(app, settings.redis_url)
     register_error_handlers(app)  # again: Api() installs its own handlers; ours must win
     return app

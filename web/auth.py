@@ -19,8 +19,12 @@ from flask import Flask, current_app, g, request
 
 from web.errors import APIError
 
-OPEN_PATHS = frozenset({"/health", "/ready"})
-"""Paths answered without a key: the probes an orchestrator calls, which reveal nothing."""
+OPEN_PATHS = frozenset({"/health", "/ready", "/", "/docs"})
+"""Paths answered without a key: the probes an orchestrator calls and the pages (web/pages.py), which
+reveal nothing (the pages ask for a key and send it with their API calls)."""
+
+OPEN_PREFIXES = ("/ui/", "/docs/assets/")
+"""The pages' static assets, also answered without a key."""
 
 ANONYMOUS = ""
 """The owner of jobs created without a key (an open server's callers all share it)."""
@@ -116,7 +120,7 @@ def register_auth(app: Flask) -> None:
 
     @app.before_request
     def _check_key():
-        if request.path in OPEN_PATHS:
+        if request.path in OPEN_PATHS or request.path.startswith(OPEN_PREFIXES):
             g.mlxq_caller = Caller(ANONYMOUS, admin=False)
             return
         g.mlxq_caller = _identify(current_app.extensions["mlxq"].settings)
