@@ -37,6 +37,7 @@ class Sampling:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     repetition_penalty: float | None = None
+    grammar: str | None = None  # an llguidance grammar the answer must follow (response_format: web/structured.py)
 
 
 @dataclass(frozen=True)

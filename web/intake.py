@@ -24,6 +24,7 @@ from web.audio_check import check_audio
 from web.errors import APIError
 from web.media_parts import media_parts, spool_parts
 from web.services import services
+from web.structured import grammar_for
 from web.uploads import Upload, spool
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ def sampling(body: dict, info: ModelInfo) -> Sampling:
         seed=body["seed"],
         stop=tuple(s for s in body["stop"] or () if s),
         repetition_penalty=body["repetition_penalty"],
+        grammar=grammar_for(body.get("response_format")),
     )
 
 

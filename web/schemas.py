@@ -5,6 +5,7 @@ from __future__ import annotations
 from marshmallow import EXCLUDE, Schema, ValidationError, fields, validate, validates_schema
 
 from jobs.contract import Sampling
+from web.structured import ResponseFormatSchema
 
 DEFAULTS = Sampling()
 """The sampling defaults (jobs.contract: the one place they are set)."""
@@ -161,18 +162,15 @@ class ChatCompletionRequestSchema(SamplingSchema):
                                            allow_none=True)
     tools = fields.List(fields.Dict(), load_default=None, allow_none=True)
     tool_choice = fields.Raw(load_default=None, allow_none=True)
-    response_format = fields.Dict(load_default=None, allow_none=True)
+    response_format = fields.Nested(ResponseFormatSchema, load_default=None, allow_none=True)
 
     @validates_schema
     def _refuse_chat_extras(self, data, **kwargs):
-        """Tools and structured output would change the answer's meaning: refuse them clearly."""
+        """Tools would change the answer's meaning: refuse them clearly."""
         if data.get("tools"):
             raise ValidationError("tool calling is not supported by this server", field_name="tools")
         if data.get("tool_choice") not in (None, "none"):
             raise ValidationError("tool calling is not supported by this server", field_name="tool_choice")
-        fmt = data.get("response_format") or {}
-        if fmt.get("type") not in (None, "text"):
-            raise ValidationError("only {'type': 'text'} is supported", field_name="response_format")
 
 
 class CompletionRequestSchema(SamplingSchema):

@@ -44,7 +44,7 @@ def assert_envelope(response, status: int, code: str | None = None, param: str |
     ({"messages": QUESTION, "n": 9}, "n"),
     ({"messages": QUESTION, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"messages": QUESTION, "logprobs": True}, "logprobs"),
-    ({"messages": QUESTION, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": QUESTION, "response_format": {"type": "yaml"}}, "response_format.type"),
 ])
 def test_invalid_chat_input_is_400_naming_the_field(api, body, param):
     assert_envelope(api.post("/v1/chat/completions", json={"model": MODEL, **body}), 400, param=param)

@@ -174,7 +174,7 @@ class TextBatch:
                 cache, rest = None, ids
         cached = len(ids) - len(rest)
         sampler = sampling.make_sampler(request.sampling, self.vocab, copy)
-        processors = sampling.logits_processors(request.sampling)
+        processors = sampling.logits_processors(request.sampling, self.tokenizer, self.vocab)
         seq = Sequence(task, index, len(ids), cached, self.tokenizer.detokenizer,
                        textgen.StopBuffer(request.sampling.stop))
         if alone:

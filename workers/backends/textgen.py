@@ -107,11 +107,11 @@ def token_budget(prompt_tokens: int, max_tokens: int, context_length: int | None
     return int(min(max_tokens, limit - prompt_tokens))
 
 
-def _generation_kwargs(sampling: Sampling, vocab_size: int) -> dict:
+def _generation_kwargs(sampling: Sampling, vocab_size: int, tokenizer=None) -> dict:
     """stream_generate's sampler and logits processors for these settings."""
     sampler = make_sampler(temp=sampling.temperature, top_p=sampling.top_p, min_p=sampling.min_p,
                            top_k=effective_top_k(sampling, vocab_size))
-    return {"sampler": sampler, "logits_processors": logits_processors(sampling)}
+    return {"sampler": sampler, "logits_processors": logits_processors(sampling, tokenizer, vocab_size)}
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ def generate(model, tokenizer, prompt: list[int], sampling: Sampling,
     budget = token_budget(len(prompt), sampling.max_tokens, context_length)
     if sampling.seed is not None:
         mx.random.seed(sampling.seed)
-    kwargs = _generation_kwargs(sampling, output_size(model, tokenizer))
+    kwargs = _generation_kwargs(sampling, output_size(model, tokenizer), tokenizer)
     steps = (Step(step.text, step.generation_tokens, len(prompt), step.finish_reason)
              for step in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=budget, **kwargs))
     return pieces(steps, StopBuffer(sampling.stop))

@@ -1,0 +1,81 @@
+"""Decode speed under a JSON schema vs without one, through mlxq, same model, one run.
+
+Streamed chats of `--max-tokens` tokens, greedy, alternating: free text, and the same question under a
+`response_format` JSON schema whose one string field must be long (so both run to max_tokens).
+Decode tokens/s is counted from the first content chunk to the last (wall clock), as a client sees it.
+
+    python bench/bench_structured.py [--model DIR] [--rounds 5] [--max-tokens 128] [--out r.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from bench.bench_text import reexec_with_worker_blas, start_mlxq  # noqa: E402
+from bench.common import start_redis, write_report  # noqa: E402
+
+QUESTION = [{"role": "user", "content": "Write a long story about a dragon who learns to cook."}]
+STORY = {"type": "json_schema", "json_schema": {"name": "story", "strict": True, "schema": {
+    "type": "object", "properties": {"story": {"type": "string", "minLength": 2000}}, "required": ["story"],
+    "additionalProperties": False}}}
+
+
+def decode(client, model: str, max_tokens: int, response_format: dict | None) -> tuple[float, int]:
+    """(tokens/s from the first content chunk to the last, completion tokens) of one streamed chat."""
+    body = {"model": model, "messages": QUESTION, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, **({"response_format": response_format} if response_format else {})}
+    first = last = None
+    tokens = 0
+    for line in client.stream_lines("/v1/chat/completions", body):
+        if not line.startswith("data: {"):
+            continue
+        chunk = json.loads(line[6:])
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+        if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+            last = time.perf_counter()
+            first = first or last
+    return (tokens - 1) / (last - first), tokens
+
+
+def main() -> None:
+    """Start mlxq on the model, alternate free and constrained streams, print the report."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=Path.home() / ".cache/mlxq/models/smollm2-135m")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    reexec_with_worker_blas()
+    redis_url, redis_proc = start_redis()
+    server = start_mlxq(args.model, redis_url)
+    runs = {"free": [], "json_schema": []}
+    try:
+        for fmt in (None, STORY):  # warm both paths (the grammar's tokenizer view is built once per model)
+            decode(server.client, server.model, 8, fmt)
+        for _ in range(args.rounds):
+            runs["free"].append(decode(server.client, server.model, args.max_tokens, None))
+            runs["json_schema"].append(decode(server.client, server.model, args.max_tokens, STORY))
+    finally:
+        for proc in server.procs:
+            proc.stop()
+        redis_proc.stop()
+    report = {"machine": platform.node(), "platform": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M"),
+              "model": str(args.model), "command": " ".join(sys.argv)}
+    for name, samples in runs.items():
+        report[name] = {"decode_tps_runs": [round(s, 2) for s, _ in samples], "tokens": [t for _, t in samples],
+                        "decode_tps_p50": round(statistics.median(s for s, _ in samples), 2)}
+    report["json_schema_vs_free"] = round(report["json_schema"]["decode_tps_p50"] / report["free"]["decode_tps_p50"], 3)
+    write_report(report, args.out)
+
+
+if __name__ == "__main__":
+    main()
