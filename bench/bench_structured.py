@@ -10,7 +10,6 @@ Decode tokens/s is counted from the first content chunk to the last (wall clock)
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -20,7 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from bench.bench_text import reexec_with_worker_blas, start_mlxq  # noqa: E402
-from bench.common import start_redis, write_report  # noqa: E402
+from bench.common import decode_rate, start_redis, write_report  # noqa: E402
 
 QUESTION = [{"role": "user", "content": "Write a long story about a dragon who learns to cook."}]
 STORY = {"type": "json_schema", "json_schema": {"name": "story", "strict": True, "schema": {
@@ -32,18 +31,7 @@ def decode(client, model: str, max_tokens: int, response_format: dict | None) ->
     """(tokens/s from the first content chunk to the last, completion tokens) of one streamed chat."""
     body = {"model": model, "messages": QUESTION, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, **({"response_format": response_format} if response_format else {})}
-    first = last = None
-    tokens = 0
-    for line in client.stream_lines("/v1/chat/completions", body):
-        if not line.startswith("data: {"):
-            continue
-        chunk = json.loads(line[6:])
-        if chunk.get("usage"):
-            tokens = chunk["usage"]["completion_tokens"]
-        if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
-            last = time.perf_counter()
-            first = first or last
-    return (tokens - 1) / (last - first), tokens
+    return decode_rate(client.stream_lines("/v1/chat/completions", body))
 
 
 def main() -> None:

@@ -29,7 +29,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from bench.common import KeepAliveClient, Proc, free_port, percentile, start_redis, wait_http, write_report  # noqa: E402
+from bench.common import (  # noqa: E402
+    KeepAliveClient,
+    Proc,
+    decode_rate,
+    free_port,
+    percentile,
+    start_redis,
+    wait_http,
+    write_report,
+)
 from mlxq.cli import gunicorn_argv  # noqa: E402
 
 PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
@@ -160,18 +169,7 @@ class HTTPServer:
         """Decode tokens/s of a streamed chat: content chunks from the first to the last, wall clock."""
         body = {"model": self.model, "messages": PROMPT, "max_tokens": max_tokens, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}}
-        first = last = None
-        tokens = 0
-        for line in self.client.stream_lines("/v1/chat/completions", body):
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
-                last = time.perf_counter()
-                first = first or last
-        return (tokens - 1) / (last - first)
+        return decode_rate(self.client.stream_lines("/v1/chat/completions", body))[0]
 
     def close(self) -> None:
         """Stop the server's processes."""

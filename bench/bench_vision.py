@@ -34,7 +34,7 @@ from bench.bench_text import (  # noqa: E402
     start_mlxq,
     summary,
 )
-from bench.common import Proc, free_port, start_redis, wait_http, write_report  # noqa: E402
+from bench.common import Proc, decode_rate, free_port, start_redis, wait_http, write_report  # noqa: E402
 
 QUESTION = "What is in this image?"
 LONG_QUESTION = "Write a long story about this image."  # the toy VLM answers "Describe..." in 5 tokens
@@ -169,20 +169,8 @@ class VisionServer(HTTPServer):
 
     def decode(self, max_tokens: int) -> float:
         """Decode tokens/s of a streamed answer: content chunks from the first to the last."""
-        first = last = None
-        tokens = 0
-        for line in self.client.stream_lines("/v1/chat/completions", self._body(LONG_QUESTION, max_tokens, True)):
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
-                last = time.perf_counter()
-                first = first or last
-        if first is None or first == last:
-            raise RuntimeError(f"{self.name}: the answer came in fewer than two content chunks ({tokens} tokens)")
-        return (tokens - 1) / (last - first)
+        return decode_rate(self.client.stream_lines("/v1/chat/completions",
+                                                    self._body(LONG_QUESTION, max_tokens, True)))[0]
 
 
 def start_mlx_vlm_server(model_dir: Path, image: Path) -> VisionServer:

@@ -155,3 +155,23 @@ class KeepAliveClient:
     def close(self) -> None:
         """Close the connection."""
         self.connection.close()
+
+
+def decode_rate(lines) -> tuple[float, int]:
+    """(decode tokens/s, completion tokens) of a streamed chat's SSE lines: the tokens after the first
+    over the time from the first content chunk to the last (wall clock), as a client sees them."""
+    first = last = None
+    tokens = 0
+    for line in lines:
+        if not line.startswith("data: {"):
+            continue
+        chunk = json.loads(line[6:])
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+        if chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
+            last = time.perf_counter()
+            first = first or last
+    if first is None or first == last:
+        raise RuntimeError(f"the answer came in fewer than two content chunks ({tokens} tokens)")
+    return (tokens - 1) / (last - first), tokens
+
