@@ -195,6 +195,7 @@ $("chat-form").addEventListener("submit", async (event) => {
     answer.textContent = error.message;
     history.pop();
   }
+  answer.classList.add("done");  // the stream ended (a test and a stylesheet can tell)
 });
 
 loadModels();
