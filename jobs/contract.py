@@ -38,6 +38,7 @@ class Sampling:
     stop: tuple[str, ...] = ()
     repetition_penalty: float | None = None
     grammar: str | None = None  # an llguidance grammar the answer must follow (response_format: web/structured.py)
+    logprobs: int | None = None  # None: no logprobs; k >= 0: each token's, with its k likeliest alternatives
 
 
 @dataclass(frozen=True)
@@ -145,6 +146,7 @@ class Choice:
     index: int
     text: str
     finish_reason: str | None
+    logprobs: list | None = None  # one entry per token (workers/backends/logprobs.py) when asked for
 
 
 @dataclass(frozen=True)

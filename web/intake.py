@@ -75,7 +75,16 @@ def sampling(body: dict, info: ModelInfo) -> Sampling:
         stop=tuple(s for s in body["stop"] or () if s),
         repetition_penalty=body["repetition_penalty"],
         grammar=grammar_for(body.get("response_format")),
+        logprobs=_logprobs(body),
     )
+
+
+def _logprobs(body: dict) -> int | None:
+    """How many alternatives each token's logprobs entry lists; None when none are asked for. A chat
+    asks with `logprobs: true` and `top_logprobs`, a completion with `logprobs: k`."""
+    if "messages" in body:
+        return (body.get("top_logprobs") or 0) if body.get("logprobs") else None
+    return body.get("logprobs")
 
 
 def chat_request(body: dict, job_id: str, is_async: bool = False) -> TextRequest | MultimodalRequest:

@@ -13,18 +13,37 @@ from jobs.formats import TEXT_MIMETYPE, render
 from web.sse import sse_data
 
 
+def chat_logprobs(entries: list | None) -> dict | None:
+    """A chat choice's (or chunk's) `logprobs` object from the worker's entries."""
+    return None if entries is None else {"content": entries, "refusal": None}
+
+
+def completion_logprobs(entries: list | None, offset: int = 0) -> dict | None:
+    """Completions' older `logprobs` shape from the worker's entries, text offsets counted from `offset`."""
+    if entries is None:
+        return None
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
+
+
 def chat_completion(job_id: str, created: int, done: dict) -> dict:
     """A `chat.completion` object from a text job's `done` data."""
     choices = [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
-                "logprobs": None, "finish_reason": c["finish_reason"]} for c in done["choices"]]
+                "logprobs": chat_logprobs(c.get("logprobs")), "finish_reason": c["finish_reason"]}
+               for c in done["choices"]]
     return {"id": job_id, "object": "chat.completion", "created": created, "model": done["model"],
             "system_fingerprint": None, "choices": choices, "usage": done["usage"]}
 
 
 def text_completion(job_id: str, created: int, done: dict) -> dict:
     """A `text_completion` object from a text job's `done` data."""
-    choices = [{"index": c["index"], "text": c["text"], "logprobs": None, "finish_reason": c["finish_reason"]}
-               for c in done["choices"]]
+    choices = [{"index": c["index"], "text": c["text"], "logprobs": completion_logprobs(c.get("logprobs")),
+                "finish_reason": c["finish_reason"]} for c in done["choices"]]
     return {"id": job_id, "object": "text_completion", "created": created, "model": done["model"],
             "system_fingerprint": None, "choices": choices, "usage": done["usage"]}
 
@@ -36,8 +55,8 @@ def chat_chunks(job_id: str, model: str, created: int, include_usage: bool):
     extra = {"usage": None} if include_usage else {}
     started = set()
 
-    def chunk(index: int, delta: dict, finish_reason=None) -> str:
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    def chunk(index: int, delta: dict, finish_reason=None, logprobs=None) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return sse_data({**base, "choices": [choice], **extra})
 
     def frames(event: dict):
@@ -47,7 +66,7 @@ def chat_chunks(job_id: str, model: str, created: int, include_usage: bool):
             if index not in started:
                 started.add(index)
                 yield chunk(index, {"role": "assistant", "content": ""})
-            yield chunk(index, {"content": data["text"]})
+            yield chunk(index, {"content": data["text"]}, logprobs=chat_logprobs(data.get("logprobs")))
         elif event["type"] == DONE:
             for choice in data["choices"]:
                 if choice["index"] not in started:
@@ -64,14 +83,19 @@ def completion_chunks(job_id: str, model: str, created: int, include_usage: bool
     base = {"id": job_id, "object": "text_completion", "created": created, "model": model}
     extra = {"usage": None} if include_usage else {}
 
-    def chunk(index: int, text: str, finish_reason=None) -> str:
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    offsets: dict[int, int] = {}  # per choice: characters of text already sent (logprobs' text_offset)
+
+    def chunk(index: int, text: str, finish_reason=None, logprobs=None) -> str:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return sse_data({**base, "choices": [choice], **extra})
 
     def frames(event: dict):
         data = event["data"]
         if event["type"] == DELTA:
-            yield chunk(data.get("index", 0), data["text"])
+            index = data.get("index", 0)
+            logprobs = completion_logprobs(data.get("logprobs"), offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + len(data["text"])
+            yield chunk(index, data["text"], logprobs=logprobs)
         elif event["type"] == DONE:
             for choice in data["choices"]:
                 yield chunk(choice["index"], "", choice["finish_reason"])

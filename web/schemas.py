@@ -18,6 +18,13 @@ MAX_TOP_K = 2**31 - 1
 """A first bound on top_k before the model is known; its vocabulary size bounds it further."""
 
 
+MAX_TOP_LOGPROBS = 20
+"""Chat's top_logprobs: alternatives per token, at most (OpenAI's limit)."""
+
+MAX_COMPLETION_LOGPROBS = 5
+"""Completions' logprobs: alternatives per token, at most (OpenAI's limit)."""
+
+
 class StringOrList(fields.Field):
     """A string, or a list of strings (OpenAI's `stop` and `prompt`); always loads as a list."""
 
@@ -126,8 +133,6 @@ class SamplingSchema(Schema):
     user = fields.String(load_default=None, allow_none=True)
     n = fields.Integer(strict=True, load_default=1, validate=validate.Range(min=1, max=MAX_N), allow_none=True)
     # Fields we cannot honour: accepted only at their neutral values, so meaning never changes silently.
-    logprobs = fields.Raw(load_default=None, allow_none=True)
-    top_logprobs = fields.Integer(strict=True, load_default=None, allow_none=True)
     presence_penalty = fields.Float(load_default=0.0, allow_none=True)
     frequency_penalty = fields.Float(load_default=0.0, allow_none=True)
     logit_bias = fields.Dict(load_default=None, allow_none=True)
@@ -135,8 +140,7 @@ class SamplingSchema(Schema):
     @validates_schema
     def _refuse_meaning_changes(self, data, **kwargs):
         """Reject fields whose non-neutral values we cannot honour (a clear 400, naming the field)."""
-        neutral = {"logprobs": (None, False, 0), "top_logprobs": (None, 0),
-                   "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0), "logit_bias": (None, {})}
+        neutral = {"presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0), "logit_bias": (None, {})}
         for name, allowed in neutral.items():
             if data.get(name) not in allowed:
                 hint = " (use repetition_penalty)" if name.endswith("_penalty") else ""
@@ -163,6 +167,9 @@ class ChatCompletionRequestSchema(SamplingSchema):
     tools = fields.List(fields.Dict(), load_default=None, allow_none=True)
     tool_choice = fields.Raw(load_default=None, allow_none=True)
     response_format = fields.Nested(ResponseFormatSchema, load_default=None, allow_none=True)
+    logprobs = fields.Boolean(load_default=None, allow_none=True)
+    top_logprobs = fields.Integer(strict=True, load_default=None, allow_none=True,
+                                  validate=validate.Range(min=0, max=MAX_TOP_LOGPROBS))
 
     @validates_schema
     def _refuse_chat_extras(self, data, **kwargs):
@@ -171,6 +178,8 @@ class ChatCompletionRequestSchema(SamplingSchema):
             raise ValidationError("tool calling is not supported by this server", field_name="tools")
         if data.get("tool_choice") not in (None, "none"):
             raise ValidationError("tool calling is not supported by this server", field_name="tool_choice")
+        if data.get("top_logprobs") and not data.get("logprobs"):
+            raise ValidationError("needs 'logprobs': true", field_name="top_logprobs")
 
 
 class CompletionRequestSchema(SamplingSchema):
@@ -178,6 +187,8 @@ class CompletionRequestSchema(SamplingSchema):
 
     prompt = StringOrList(required=True, max_items=32, allow_empty_list=False, allow_empty_strings=False)
     echo = fields.Boolean(load_default=False, allow_none=True)
+    logprobs = fields.Integer(strict=True, load_default=None, allow_none=True,
+                              validate=validate.Range(min=0, max=MAX_COMPLETION_LOGPROBS))
     suffix = fields.String(load_default=None, allow_none=True)
     best_of = fields.Integer(strict=True, load_default=None, allow_none=True)
 

@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import redis
 
 from jobs.queues import fetch_job
+from tests.conftest import wait_until
 
 MODEL = "smollm2-135m"
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "Why is the sky blue?",
@@ -31,8 +32,16 @@ def test_eight_concurrent_streamed_chats_give_what_each_gives_alone(service, ope
         together = list(pool.map(lambda q: _stream(openai_client, q), QUESTIONS))
     assert [text for _, text in together] == one_by_one
     conn = redis.Redis.from_url(service.redis_url)
-    jobs = [fetch_job(conn, job_id) for job_id, _ in together]
+    # A job's answer goes out before RQ records it ended (one more round trip): wait for that record.
+    jobs = wait_until(lambda: _ended([job_id for job_id, _ in together], conn), 10,
+                      what="RQ to record every job ended")
     assert max(j.started_at for j in jobs) < min(j.ended_at for j in jobs), "they did not decode together"
+
+
+def _ended(job_ids: list[str], conn) -> list | None:
+    """The RQ jobs, once every one of them has its end recorded."""
+    jobs = [fetch_job(conn, job_id) for job_id in job_ids]
+    return jobs if all(job.ended_at for job in jobs) else None
 
 
 def test_n_three_through_the_openai_client(openai_client):

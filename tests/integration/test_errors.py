@@ -43,7 +43,7 @@ def assert_envelope(response, status: int, code: str | None = None, param: str |
     ({"messages": QUESTION, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"messages": QUESTION, "n": 9}, "n"),
     ({"messages": QUESTION, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"messages": QUESTION, "logprobs": True}, "logprobs"),
+    ({"messages": QUESTION, "top_logprobs": 3}, "top_logprobs"),  # needs logprobs: true
     ({"messages": QUESTION, "response_format": {"type": "yaml"}}, "response_format.type"),
 ])
 def test_invalid_chat_input_is_400_naming_the_field(api, body, param):

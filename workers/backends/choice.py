@@ -22,13 +22,21 @@ class Sequence:
     pending: str = ""  # generated since its last delta went out
     tokens: int = 0
     finish_reason: str | None = None
+    tokenizer: object = None  # to name the tokens of logprobs entries
+    logprobs: list = field(default_factory=list)  # entries of every token, when the request asks for them
+    pending_logprobs: list = field(default_factory=list)  # entries since its last delta went out
 
-    def advance(self, token: int, finish_reason: str | None) -> bool:
-        """Feed one generated token; True when the sequence has finished.
+    def advance(self, token: int, finish_reason: str | None, logprobs=None) -> bool:
+        """Feed one generated token (and the log-probabilities it was sampled from); True when the
+        sequence has finished.
 
         mlx-lm's finish reasons: "stop" for an end-of-sequence token, "length" for the budget.
         """
         self.tokens += 1  # an end-of-sequence token was generated too: it counts
+        found = textgen.logprob_of(self.task.request.sampling, self.tokenizer, token, logprobs, finish_reason)
+        if found is not None:
+            self.logprobs.append(found)
+            self.pending_logprobs.append(found)
         if finish_reason == "stop":  # end of sequence: not part of the text
             self.detokenizer.finalize()
         else:

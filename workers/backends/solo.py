@@ -24,6 +24,8 @@ class SoloDecoder:
         self.left = max_tokens  # tokens it may still hand out
         self.pending: mx.array | None = None  # the next token, being computed
         self._history = mx.array(self.fed + self.rest[:-1], mx.uint32) if processors else None
+        self._pending_logprobs = None  # the log-probabilities `pending` is sampled from
+        self.last_logprobs = None  # those of the token last handed out
 
     @property
     def decoding(self) -> bool:
@@ -43,7 +45,7 @@ class SoloDecoder:
             last = self.rest.pop()
             self.pending = self._forward(mx.array([last]))
             self.fed.append(last)
-        current = self.pending
+        current, self.last_logprobs = self.pending, self._pending_logprobs
         self.left -= 1
         if self.left > 0:  # the next token is computed while this one is handed out
             self.pending = self._forward(current)
@@ -54,7 +56,7 @@ class SoloDecoder:
 
     def take_pending(self) -> tuple[int, str | None]:
         """Hand out the token being computed without computing another (before a handover)."""
-        token = self.pending.item()
+        token, self.last_logprobs = self.pending.item(), self._pending_logprobs
         self.pending = None
         self.left -= 1
         return token, "stop" if token in self.eos else ("length" if self.left <= 0 else None)
@@ -66,6 +68,8 @@ class SoloDecoder:
             self._history = mx.concatenate([self._history, token.astype(mx.uint32)])
             for processor in self.processors:
                 logits = processor(self._history, logits)
-        sampled = self.sampler(logits - mx.logsumexp(logits, keepdims=True))
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        sampled = self.sampler(logprobs)
         mx.async_eval(sampled)
+        self._pending_logprobs = logprobs  # what `sampled` was drawn from (for logprobs entries)
         return sampled

@@ -54,14 +54,15 @@ def run_choices(request, job, generate: Callable[[object], Iterator[textgen.Piec
             job.check_cancel()
         pieces = generate(prompt)
         try:
-            text, final, last_delta = yield from _stream(pieces, job, index, interval)
+            text, final, last_delta, logprobs = yield from _stream(pieces, job, index, interval)
         except BaseException:
             pieces.close()  # leaving early (a cancel, a timeout, shutdown): generation stops here
             raise
-        choices.append(Choice(index, text, final.finish_reason))
+        wanted = request.sampling.logprobs is not None
+        choices.append(Choice(index, text, final.finish_reason, logprobs if wanted else None))
         prompt_tokens += final.prompt_tokens
         completion_tokens += final.tokens
-        held = [(DELTA, {"index": index, "text": last_delta})] if last_delta else []
+        held = [delta(index, *last_delta)] if last_delta[0] or last_delta[1] else []
         if index < len(inputs) - 1:
             pieces.close()
     result = TextResult(request.model.id, choices, prompt_tokens, completion_tokens, int(time.time()))
@@ -71,17 +72,26 @@ def run_choices(request, job, generate: Callable[[object], Iterator[textgen.Piec
         pieces.close()
 
 
+def delta(index: int, text: str, logprobs: list) -> tuple[str, dict]:
+    """A delta event: new text of choice `index`, with its tokens' logprobs entries when asked for."""
+    return DELTA, {"index": index, "text": text, **({"logprobs": logprobs} if logprobs else {})}
+
+
 def _stream(pieces: Iterator[textgen.Piece], job, index: int, interval: float):
     """Publish a choice's deltas as it generates, yielding after each; return (its text, its final
-    Piece, its last delta unpublished: it goes out with the next event in one round trip)."""
-    parts, pending, last_sent = [], "", -math.inf
+    Piece, its last delta unpublished (text, logprobs): it goes out with the next event in one round
+    trip, all its logprobs entries)."""
+    parts, pending, last_sent, entries, pending_entries = [], "", -math.inf, [], []
     for piece in pieces:
         parts.append(piece.text)
         pending += piece.text
+        if piece.logprob is not None:
+            entries.append(piece.logprob)
+            pending_entries.append(piece.logprob)
         if piece.final:
-            return "".join(parts), piece, pending
+            return "".join(parts), piece, (pending, pending_entries), entries
         if pending and time.monotonic() - last_sent >= interval:
-            job.publish([(DELTA, {"index": index, "text": pending})])
-            pending, last_sent = "", time.monotonic()
+            job.publish([delta(index, pending, pending_entries)])
+            pending, pending_entries, last_sent = "", [], time.monotonic()
             yield
     raise RuntimeError("the generation ended without a finish reason")

@@ -23,11 +23,11 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 
 from jobs.contract import Choice, TextResult
 from jobs.errors import Canceled, ModelTooLarge
-from jobs.events import DELTA
 from workers.backends import sampling, textgen
 from workers.backends.base import Outcome
 from workers.backends.choice import Member, Sequence
 from workers.backends.solo import SoloDecoder
+from workers.backends.text import delta
 
 PREFILL_CHUNK = 512
 """Prompt tokens processed per step: how long a new prompt may hold up the others' next token."""
@@ -142,7 +142,7 @@ class TextBatch:
         stopped = []  # ended by one of our stop strings: mlx-lm still counts them as running
         for response in responses:
             seq = self.by_uid.get(response.uid)
-            if seq is None or not seq.advance(response.token, response.finish_reason):
+            if seq is None or not seq.advance(response.token, response.finish_reason, response.logprobs):
                 continue
             del self.by_uid[response.uid]
             if response.finish_reason is None:
@@ -176,7 +176,7 @@ class TextBatch:
         sampler = sampling.make_sampler(request.sampling, self.vocab, copy)
         processors = sampling.logits_processors(request.sampling, self.tokenizer, self.vocab)
         seq = Sequence(task, index, len(ids), cached, self.tokenizer.detokenizer,
-                       textgen.StopBuffer(request.sampling.stop))
+                       textgen.StopBuffer(request.sampling.stop), tokenizer=self.tokenizer)
         if alone:
             self.solo = seq, SoloDecoder(self.resident.model, ids[:cached], rest, cache, sampler, processors,
                                          budget, set(self.tokenizer.eos_token_ids), PREFILL_CHUNK)
@@ -195,7 +195,7 @@ class TextBatch:
         seq, solo = self.solo
         with mx.stream(self.generator.stream):
             out = solo.step()
-        if out is not None and seq.advance(*out):
+        if out is not None and seq.advance(*out, solo.last_logprobs):
             self.solo = None
             self.prompt_cache.insert_cache(self.key, list(solo.fed), solo.cache)
             self._trim_kept()
@@ -208,7 +208,7 @@ class TextBatch:
         if solo.decoding:  # the token being computed is handed out; decoding goes on from it
             with mx.stream(self.generator.stream):
                 token, finish_reason = solo.take_pending()
-            if seq.advance(token, finish_reason):
+            if seq.advance(token, finish_reason, solo.last_logprobs):
                 self.prompt_cache.insert_cache(self.key, list(solo.fed), solo.cache)
                 return
             prompt = [token]
@@ -246,15 +246,18 @@ class TextBatch:
 
     @staticmethod
     def _deltas(member: Member) -> list:
-        events = [(DELTA, {"index": s.index, "text": s.pending}) for s in member.sequences if s.pending]
+        events = [delta(s.index, s.pending, s.pending_logprobs) for s in member.sequences
+                  if s.pending or s.pending_logprobs]
         for seq in member.sequences:
-            seq.pending = ""
+            seq.pending, seq.pending_logprobs = "", []
         return events
 
     def _outcome(self, member: Member) -> Outcome:
         """The answer of a finished request; its last deltas go out with it in one round trip."""
         request = member.task.request
-        choices = [Choice(s.index, "".join(s.parts), s.finish_reason) for s in member.sequences]
+        wanted = request.sampling.logprobs is not None
+        choices = [Choice(s.index, "".join(s.parts), s.finish_reason, s.logprobs if wanted else None)
+                   for s in member.sequences]
         prompts = {s.index // request.n: s for s in member.sequences}  # a prompt counts once for its n choices
         result = TextResult(request.model.id, choices, sum(s.prompt_tokens for s in prompts.values()),
                             sum(s.tokens for s in member.sequences), int(time.time()),

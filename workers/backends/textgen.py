@@ -15,6 +15,7 @@ from mlx_lm.utils import dequantize_model
 
 from jobs.contract import Sampling
 from jobs.errors import ContextLengthExceeded
+from workers.backends.logprobs import entry
 from workers.backends.sampling import effective_top_k, logits_processors
 
 
@@ -26,6 +27,7 @@ class Piece:
     tokens: int  # completion tokens generated so far
     prompt_tokens: int
     finish_reason: str | None = None  # "stop" | "length" on the last piece
+    logprob: dict | None = None  # this token's logprobs entry, when the request asks for them
 
     @property
     def final(self) -> bool:
@@ -122,6 +124,14 @@ class Step:
     tokens: int  # completion tokens generated so far
     prompt_tokens: int
     finish_reason: str | None = None
+    logprob: dict | None = None
+
+
+def logprob_of(sampling: Sampling, tokenizer, token: int | None, logprobs, finish_reason: str | None):
+    """A token's logprobs entry when the request asks for them (none for the end-of-sequence token)."""
+    if sampling.logprobs is None or token is None or logprobs is None or finish_reason == "stop":
+        return None
+    return entry(tokenizer, token, logprobs, sampling.logprobs)
 
 
 def generate(model, tokenizer, prompt: list[int], sampling: Sampling,
@@ -131,7 +141,8 @@ def generate(model, tokenizer, prompt: list[int], sampling: Sampling,
     if sampling.seed is not None:
         mx.random.seed(sampling.seed)
     kwargs = _generation_kwargs(sampling, output_size(model, tokenizer), tokenizer)
-    steps = (Step(step.text, step.generation_tokens, len(prompt), step.finish_reason)
+    steps = (Step(step.text, step.generation_tokens, len(prompt), step.finish_reason,
+                  logprob_of(sampling, tokenizer, step.token, step.logprobs, step.finish_reason))
              for step in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=budget, **kwargs))
     return pieces(steps, StopBuffer(sampling.stop))
 
@@ -146,12 +157,12 @@ def pieces(steps: Iterator[Step], stops: StopBuffer) -> Iterator[Piece]:
         for step in steps:
             text, matched = stops.feed(step.text)
             if matched:
-                yield Piece(text, step.tokens, step.prompt_tokens, "stop")
+                yield Piece(text, step.tokens, step.prompt_tokens, "stop", step.logprob)
                 return
             if step.finish_reason:
-                yield Piece(text + stops.flush(), step.tokens, step.prompt_tokens, step.finish_reason)
+                yield Piece(text + stops.flush(), step.tokens, step.prompt_tokens, step.finish_reason, step.logprob)
                 return
-            yield Piece(text, step.tokens, step.prompt_tokens)
+            yield Piece(text, step.tokens, step.prompt_tokens, logprob=step.logprob)
     except Exception:
         reset_random_state()
         raise

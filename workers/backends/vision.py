@@ -68,5 +68,7 @@ def _steps(model, processor, prompt: str, images: list[str], audio: list[str], s
         model, processor, prompt, input_ids=input_ids, pixel_values=inputs.get("pixel_values"),
         mask=inputs.get("attention_mask"), max_tokens=budget, sampler=make_sampler(sampling, vocab),
         logits_processors=logits_processors(sampling, tokenizer_of(processor), vocab), **extra)
+    tokenizer = tokenizer_of(processor)
     for result in results:
-        yield textgen.Step(result.text, result.generation_tokens, prompt_tokens, result.finish_reason)
+        yield textgen.Step(result.text, result.generation_tokens, prompt_tokens, result.finish_reason,
+                           textgen.logprob_of(sampling, tokenizer, result.token, result.logprobs, result.finish_reason))
