@@ -1,0 +1,163 @@
+"""POST /v1/responses and GET /v1/responses/{id}: OpenAI's Responses API, run as chat jobs (web/responses.py)."""
+
+from __future__ import annotations
+
+from flask import jsonify
+from marshmallow import EXCLUDE, Schema, ValidationError, fields, validate, validates_schema
+
+from jobs import queues
+from jobs.events import DELTA, DONE
+from web import intake
+from web import responses as rs
+from web.auth import caller
+from web.errors import APIError
+from web.jobrun import stream_response, submit, wait_for_result
+from web.jsonbody import Blueprint
+from web.media_parts import accepts_media_parts
+from web.response_schemas import SSE, AnyObjectSchema, ServerSentEventSchema
+from web.schemas import ChatCompletionRequestSchema
+from web.services import services
+from web.sse import sse_data
+
+blp = Blueprint("responses", __name__, url_prefix="/v1/responses", description="OpenAI's Responses API")
+
+CHAT_FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+"""The chat fields a Responses request becomes, and the fields an error about them names."""
+
+
+class ResponsesRequestSchema(Schema):
+    """POST /v1/responses body (the subset mlxq serves; tools are refused)."""
+
+    class Meta:
+        unknown = EXCLUDE
+
+    model = fields.String(load_default=None, allow_none=True)
+    input = fields.Raw(required=True, metadata={"description": "A string, or a list of message items"})
+    instructions = fields.String(load_default=None, allow_none=True)
+    max_output_tokens = fields.Integer(strict=True, load_default=None, allow_none=True, validate=validate.Range(min=1))
+    temperature = fields.Float(load_default=None, allow_none=True)
+    top_p = fields.Float(load_default=None, allow_none=True)
+    stream = fields.Boolean(load_default=False, allow_none=True)
+    store = fields.Boolean(load_default=True, allow_none=True)
+    previous_response_id = fields.String(load_default=None, allow_none=True)
+    text = fields.Dict(load_default=None, allow_none=True)
+    metadata = fields.Dict(load_default=None, allow_none=True)
+    tools = fields.List(fields.Dict(), load_default=None, allow_none=True)
+
+    @validates_schema
+    def _refuse(self, data, **kwargs):
+        """Refuse what mlxq cannot serve yet, naming the field."""
+        if data.get("tools"):
+            raise ValidationError("tool calling is not supported by this server", field_name="tools")
+        if not isinstance(data.get("input"), (str, list)) or not data["input"]:
+            raise ValidationError("must be a non-empty string or list of items", field_name="input")
+
+
+@blp.route("", methods=["POST"])
+@accepts_media_parts
+@blp.arguments(ResponsesRequestSchema())
+@blp.response(200, AnyObjectSchema, description="A `response` object; with `stream`, the Responses event "
+              "sequence (response.created ... response.completed)")
+@blp.alt_response(200, schema=ServerSentEventSchema, content_type=SSE, success=True)
+def create_response(body):
+    """Create a model response (plain JSON, or its stream of events)."""
+    svc, who = services(), caller()
+    previous = None
+    if body["previous_response_id"]:
+        previous = rs.load_stored(svc.redis, body["previous_response_id"], who.owner, who.admin)
+        if previous is None:
+            raise APIError(404, f"No stored response '{body['previous_response_id']}' (it may have expired).",
+                           "previous_response_not_found", "previous_response_id")
+    body["model"] = body["model"] or (previous["response"]["model"] if previous else None)
+    messages = rs.to_messages(body, previous)
+    request = intake.chat_request(_as_chat(body, messages), queues.new_job_id("resp"))
+    body["model"] = request.model.id
+    submit(request, intake.chat_func(request), f"response {request.model.id}")
+    created, ttl = rs.now(), svc.settings.result_ttl_s
+    keep = (svc.redis, who.owner, ttl) if body["store"] else None
+    if body["stream"]:
+        return stream_response(request.id, _events(request.id, body, created, messages, keep),
+                               lambda error: _error_event(error), trailer=None)
+    done = wait_for_result(request.id)
+    response = rs.response_object(request.id, body, created, "completed", done)
+    if keep:
+        rs.store(keep[0], response, messages + [_answer(done)], keep[1], keep[2])
+    return jsonify(response)
+
+
+@blp.route("/<response_id>", methods=["GET"])
+@blp.response(200, AnyObjectSchema)
+def get_response(response_id: str):
+    """A stored response (its creator's key, or the admin key)."""
+    who = caller()
+    stored = rs.load_stored(services().redis, response_id, who.owner, who.admin)
+    if stored is None:
+        raise APIError(404, f"No stored response '{response_id}' (it may have expired).", "response_not_found", "id")
+    return jsonify(stored["response"])
+
+
+def _as_chat(body: dict, messages: list[dict]) -> dict:
+    """The chat completion body a Responses request runs as, validated like one (400s name the Responses field)."""
+    fmt = ((body.get("text") or {}).get("format")) or {"type": "text"}
+    response_format = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}} \
+        if fmt.get("type") == "json_schema" else fmt
+    chat = {"model": body["model"], "messages": messages, "max_tokens": body["max_output_tokens"],
+            "temperature": body["temperature"], "top_p": body["top_p"], "response_format": response_format}
+    try:
+        return ChatCompletionRequestSchema().load({k: v for k, v in chat.items() if v is not None})
+    except ValidationError as exc:
+        field = next(iter(exc.messages))
+        detail = exc.messages[field]
+        raise APIError(400, f"Invalid value for '{CHAT_FIELDS.get(field, field)}': {detail}", "invalid_value",
+                       CHAT_FIELDS.get(field, field)) from None
+
+
+def _answer(done: dict) -> dict:
+    return {"role": "assistant", "content": done["choices"][0]["text"]}
+
+
+def _events(response_id: str, body: dict, created: int, messages: list[dict], keep):
+    """A renderer of a chat job's events as the Responses stream (response.created ... response.completed)."""
+    sequence = iter(range(1 << 62))
+    item_id = rs.message_item(response_id, "")["id"]
+    text: list[str] = []
+
+    def event(kind: str, **data) -> str:
+        return sse_data({"type": kind, "sequence_number": next(sequence), **data}, event=kind)
+
+    def opening():
+        yield event("response.created", response=rs.response_object(response_id, body, created, "in_progress"))
+        yield event("response.in_progress", response=rs.response_object(response_id, body, created, "in_progress"))
+        yield event("response.output_item.added", output_index=0,
+                    item={**rs.message_item(response_id, "", "in_progress"), "content": []})
+        yield event("response.content_part.added", item_id=item_id, output_index=0, content_index=0,
+                    part={"type": "output_text", "text": "", "annotations": []})
+
+    def frames(job_event: dict):
+        if not text:
+            text.append("")
+            yield from opening()
+        if job_event["type"] == DELTA:
+            text.append(job_event["data"]["text"])
+            yield event("response.output_text.delta", item_id=item_id, output_index=0, content_index=0,
+                        delta=job_event["data"]["text"], logprobs=[])
+        elif job_event["type"] == DONE:
+            done = job_event["data"]
+            response = rs.response_object(response_id, body, created, "completed", done)
+            final = done["choices"][0]["text"]
+            yield event("response.output_text.done", item_id=item_id, output_index=0, content_index=0, text=final,
+                        logprobs=[])
+            yield event("response.content_part.done", item_id=item_id, output_index=0, content_index=0,
+                        part={"type": "output_text", "text": final, "annotations": []})
+            yield event("response.output_item.done", output_index=0, item=response["output"][0])
+            if keep:
+                rs.store(keep[0], response, messages + [_answer(done)], keep[1], keep[2])
+            yield event("response.completed", response=response)
+
+    return frames
+
+
+def _error_event(error: dict) -> str:
+    """The stream's `error` event for a job that failed."""
+    return sse_data({"type": "error", "code": error.get("code"), "message": error.get("message"), "param": None,
+                     "sequence_number": 0}, event="error")
