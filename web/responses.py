@@ -84,27 +84,31 @@ def _part(part, param: str) -> dict:
     return {"type": "image_url", "image_url": {"url": part.get("image_url") or "", "detail": part.get("detail") or "auto"}}
 
 
-def response_object(response_id: str, body: dict, created: int, status: str, done: dict | None = None,
-                    error: dict | None = None) -> dict:
-    """The `response` object: in progress (no `done` yet), completed from a chat job's `done` data, or failed."""
-    output, usage = [], None
-    if done is not None:
-        choice = done["choices"][0]
-        output = [message_item(response_id, choice["text"])]
-        if choice["finish_reason"] == "length":
-            status = "incomplete"
-        usage = {"input_tokens": done["usage"]["prompt_tokens"],
-                 "input_tokens_details": {"cached_tokens": done["usage"]["prompt_tokens_details"]["cached_tokens"]},
-                 "output_tokens": done["usage"]["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-                 "total_tokens": done["usage"]["total_tokens"]}
-    return {"id": response_id, "object": "response", "created_at": created, "status": status,
-            "model": body["model"], "instructions": body.get("instructions"), "output": output,
-            "error": error, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "previous_response_id": body.get("previous_response_id"), "max_output_tokens": body.get("max_output_tokens"),
-            "temperature": body.get("temperature"), "top_p": body.get("top_p"), "text": body.get("text") or
-            {"format": {"type": "text"}}, "tools": [], "tool_choice": "auto", "parallel_tool_calls": True,
-            "store": body.get("store", True), "metadata": body.get("metadata") or {}, "usage": usage,
-            "background": bool(body.get("background"))}
+def response_object(response_id: str, body: dict, created: int, status: str, done: dict | None = None) -> dict:
+    """The `response` object: queued or in progress (no `done` yet), or completed from a chat job's `done`."""
+    response = {"id": response_id, "object": "response", "created_at": created, "status": status,
+                "model": body["model"], "instructions": body.get("instructions"), "output": [],
+                "error": None, "incomplete_details": None, "previous_response_id": body.get("previous_response_id"),
+                "max_output_tokens": body.get("max_output_tokens"), "temperature": body.get("temperature"),
+                "top_p": body.get("top_p"), "text": body.get("text") or {"format": {"type": "text"}}, "tools": [],
+                "tool_choice": "auto", "parallel_tool_calls": True, "store": body.get("store", True), "metadata": body.get("metadata") or {}, "usage": None,
+                "background": bool(body.get("background"))}
+    return finished(response, done, status) if done is not None else response
+
+
+def finished(response: dict, done: dict | None, status: str, error: dict | None = None) -> dict:
+    """The response once its job ended: its output and usage from `done`, or its error."""
+    if done is None:
+        failure = {"code": (error or {}).get("code") or "failed", "message": (error or {}).get("message") or ""}
+        return {**response, "status": status, "error": failure if status == "failed" else None}
+    choice = done["choices"][0]
+    status = "incomplete" if choice["finish_reason"] == "length" else status
+    usage = {"input_tokens": done["usage"]["prompt_tokens"],
+             "input_tokens_details": {"cached_tokens": done["usage"]["prompt_tokens_details"]["cached_tokens"]},
+             "output_tokens": done["usage"]["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+             "total_tokens": done["usage"]["total_tokens"]}
+    return {**response, "status": status, "output": [message_item(response["id"], choice["text"])], "usage": usage,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None}
 
 
 def message_item(response_id: str, text: str, status: str = "completed") -> dict:

@@ -9,6 +9,7 @@ from jobs import queues
 from jobs.events import DELTA, DONE
 from web import intake
 from web import responses as rs
+from web import responses_background as background
 from web.auth import caller
 from web.errors import APIError
 from web.jobrun import stream_response, submit, wait_for_result
@@ -42,6 +43,7 @@ class ResponsesRequestSchema(Schema):
     previous_response_id = fields.String(load_default=None, allow_none=True)
     text = fields.Dict(load_default=None, allow_none=True)
     metadata = fields.Dict(load_default=None, allow_none=True)
+    background = fields.Boolean(load_default=False, allow_none=True)
     tools = fields.List(fields.Dict(), load_default=None, allow_none=True)
 
     @validates_schema
@@ -68,12 +70,18 @@ def create_response(body):
         if previous is None:
             raise APIError(404, f"No stored response '{body['previous_response_id']}' (it may have expired).",
                            "previous_response_not_found", "previous_response_id")
+        if background.refresh(svc, previous)["status"] not in ("completed", "incomplete"):
+            raise APIError(400, f"Response '{body['previous_response_id']}' has not completed.", "invalid_value",
+                           "previous_response_id")
+        previous = rs.load_stored(svc.redis, body["previous_response_id"], who.owner, who.admin)
     body["model"] = body["model"] or (previous["response"]["model"] if previous else None)
     messages = rs.to_messages(body, previous)
-    request = intake.chat_request(_as_chat(body, messages), queues.new_job_id("resp"))
+    request = intake.chat_request(_as_chat(body, messages), queues.new_job_id("resp"), is_async=bool(body["background"]))
     body["model"] = request.model.id
-    submit(request, intake.chat_func(request), f"response {request.model.id}")
     created, ttl = rs.now(), svc.settings.result_ttl_s
+    if body["background"]:
+        return jsonify(background.start(svc, request, body, messages, who.owner, created))
+    submit(request, intake.chat_func(request), f"response {request.model.id}")
     keep = (svc.redis, who.owner, ttl) if body["store"] else None
     if body["stream"]:
         return stream_response(request.id, _events(request.id, body, created, messages, keep),
@@ -88,12 +96,23 @@ def create_response(body):
 @blp.route("/<response_id>", methods=["GET"])
 @blp.response(200, AnyObjectSchema)
 def get_response(response_id: str):
-    """A stored response (its creator's key, or the admin key)."""
+    """A stored response (its creator's key, or the admin key); a background one as its job stands now."""
+    return jsonify(background.refresh(services(), _stored_or_404(response_id)))
+
+
+@blp.route("/<response_id>/cancel", methods=["POST"])
+@blp.response(200, AnyObjectSchema)
+def cancel_response(response_id: str):
+    """Cancel a background response: at once while queued, at its next piece while running."""
+    return jsonify(background.cancel(services(), _stored_or_404(response_id)))
+
+
+def _stored_or_404(response_id: str) -> dict:
     who = caller()
     stored = rs.load_stored(services().redis, response_id, who.owner, who.admin)
     if stored is None:
         raise APIError(404, f"No stored response '{response_id}' (it may have expired).", "response_not_found", "id")
-    return jsonify(stored["response"])
+    return stored
 
 
 def _as_chat(body: dict, messages: list[dict]) -> dict:

@@ -8,6 +8,8 @@ import json
 import openai
 import pytest
 
+from tests.conftest import wait_until
+
 MODEL = "smollm2-135m"
 
 
@@ -72,3 +74,22 @@ def test_store_false_keeps_nothing(openai_client):
     response = create(openai_client, input="Hi", store=False)
     with pytest.raises(openai.NotFoundError):
         openai_client.responses.retrieve(response.id)
+
+
+def test_background_returns_at_once_and_is_fetched_when_done(openai_client):
+    started = create(openai_client, input="Say hello.", background=True)
+    assert started.status in ("queued", "in_progress") and started.background is True
+    done = wait_until(lambda: (r := openai_client.responses.retrieve(started.id)).status == "completed" and r, 60,
+                      interval=0.2, what="the background response to complete")
+    assert done.output_text and done.usage.output_tokens > 0
+    follow_up = create(openai_client, input="And again?", previous_response_id=started.id)
+    assert follow_up.usage.input_tokens > done.usage.input_tokens
+
+
+def test_a_background_response_can_be_canceled(openai_client):
+    started = create(openai_client, input="Write a very long story.", background=True, max_output_tokens=2000)
+    canceled = openai_client.responses.cancel(started.id)
+    assert canceled.status in ("cancelled", "in_progress")
+    final = wait_until(lambda: (r := openai_client.responses.retrieve(started.id)).status != "in_progress" and r, 60,
+                       interval=0.2, what="the cancel to take effect")
+    assert final.status == "cancelled"
