@@ -9,7 +9,17 @@ from flask import Flask, g, request
 from werkzeug.exceptions import ClientDisconnected
 
 from jobs.settings import Settings, load_settings
-from web import admin_api, audio_api, health, jobs_api, models_api, openai_api, pages, responses_api
+from web import (
+    admin_api,
+    audio_api,
+    health,
+    jobs_api,
+    messages_api,
+    models_api,
+    openai_api,
+    pages,
+    responses_api,
+)
 from web.auth import register_auth
 from web.dashboard import mount_dashboard
 from web.errors import error_response, register_error_handlers
@@ -39,9 +49,10 @@ def create_app(settings: Settings | dict | None = None) -> Flask:
     _register_body_timeout(app, settings.body_timeout_s)
     register_auth(app)
     register_metrics(app)
+    messages_api.register_error_shape(app)
     register_error_handlers(app)
     api = MlxqApi(app, settings)
-    for module in (openai_api, responses_api, models_api, health, audio_api, jobs_api, admin_api):
+    for module in (openai_api, responses_api, messages_api, models_api, health, audio_api, jobs_api, admin_api):
         api.register_blueprint(module.blp)
     app.register_blueprint(pages.bp)
     mount_dashboard(app, settings.redis_url)

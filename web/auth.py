@@ -53,7 +53,10 @@ def owner_of(key: str) -> str:
 
 
 def _presented_key() -> str | None:
-    """The key the client sent: `Authorization: Bearer KEY`, or Basic auth's password (browsers)."""
+    """The key the client sent: `Authorization: Bearer KEY`, Basic auth's password (browsers), or
+    `x-api-key` (Anthropic's clients)."""
+    if request.headers.get("x-api-key"):
+        return request.headers["x-api-key"].strip()
     header = request.headers.get("Authorization", "")
     scheme, _, value = header.partition(" ")
     if scheme.lower() == "bearer":
