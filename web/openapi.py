@@ -22,7 +22,7 @@ class MlxqApi(Api):
 
     def __init__(self, app, settings: Settings):
         app.config["API_SPEC_OPTIONS"] = spec_options(settings)
-        super().__init__(app, spec_kwargs={"extra_plugins": [ServerRefusals()]})
+        super().__init__(app, spec_kwargs={"extra_plugins": [ServerRefusals(), AnthropicErrors()]})
 
 
 def spec_options(settings: Settings) -> dict:
@@ -48,3 +48,29 @@ class ServerRefusals(BasePlugin):
             responses = operation.setdefault("responses", {})
             for status, description in SERVER_REFUSALS.items():
                 responses.setdefault(status, {"description": description, "content": html})
+
+
+ANTHROPIC_ERROR = {
+    "type": "object", "required": ["type", "error"],
+    "properties": {"type": {"type": "string", "enum": ["error"]},
+                   "error": {"type": "object", "required": ["type", "message"],
+                             "properties": {"type": {"type": "string"}, "message": {"type": "string"}}},
+                   "request_id": {"type": "string", "nullable": True}},
+}
+"""Anthropic's error shape, which /v1/messages answers with (web/messages_api.py)."""
+
+
+class AnthropicErrors(BasePlugin):
+    """Documents /v1/messages's error answers in Anthropic's shape instead of the envelope."""
+
+    def operation_helper(self, path=None, operations=None, **kwargs):
+        """Called by apispec for each path."""
+        if not (path or "").startswith("/v1/messages"):
+            return
+        for operation in (operations or {}).values():
+            responses = operation.get("responses", {})
+            for status in list(responses):
+                if not str(status).startswith("2") and str(status) not in SERVER_REFUSALS:
+                    responses[status] = {"description": "An error, in Anthropic's shape",
+                                         "content": {"application/json": {"schema": ANTHROPIC_ERROR}}}
+
