@@ -32,18 +32,9 @@ import redis
 from mlx_lm.models.cache import LRUPromptCache
 from rq.job import Job
 
-from jobs import contract
+from jobs import contract, queues
 from jobs.errors import InvalidRequest, JobError, JobTimeout, WorkerShutdown
 from jobs.lifecycle import JobRun
-from jobs.queues import (
-    BATCH,
-    CHAT_COMPLETION,
-    INTERACTIVE,
-    TEXT_COMPLETION,
-    WORKER_QUEUES,
-    get_queue,
-    lane_of,
-)
 from jobs.settings import Settings
 from workers import rqjobs, worker_metrics
 from workers.backends.base import Outcome
@@ -65,7 +56,7 @@ ADMIT_DEPTH = 16
 SPEECH_TURN_S = 1.0
 """While text decodes, a transcription gets its next window after this much decoding."""
 
-TEXT_KINDS = frozenset({CHAT_COMPLETION, TEXT_COMPLETION})
+TEXT_KINDS = frozenset({queues.CHAT_COMPLETION, queues.TEXT_COMPLETION})
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 
 
@@ -73,13 +64,13 @@ class Scheduler:
     """Runs the worker's jobs through the backends until stopped."""
 
     def __init__(self, conn: redis.Redis, settings: Settings, models, backends: dict, name: str,
-                 burst: bool = False, max_batch: int = 8, queue_names=WORKER_QUEUES, serves=None):
+                 burst: bool = False, max_batch: int = 8, queue_names=queues.WORKER_QUEUES, serves=None):
         self.conn, self.settings, self.models, self.backends = conn, settings, models, backends
         self.name, self.burst, self.max_batch = name, burst, max_batch
         self.serves = serves  # the model ids this worker is dedicated to (None: any model)
-        self.queues = {queue: get_queue(queue, conn) for queue in queue_names}
+        self.queues = {queue: queues.get_queue(queue, conn) for queue in queue_names}
         self.text: dict[str, TextBatch] = {}
-        self.solo: dict[str, Task | None] = {INTERACTIVE: None, BATCH: None}
+        self.solo: dict[str, Task | None] = {queues.INTERACTIVE: None, queues.BATCH: None}
         self.prompt_cache = LRUPromptCache(max_size=64, max_bytes=settings.prompt_cache_mb * 2**20)
         self.stopping = self.cold = False
         self._lock = threading.Lock()
@@ -162,11 +153,11 @@ class Scheduler:
         return self._kinds.get(job_id)
 
     def _has_room(self, kind: str | None, queue: str) -> bool:
-        lane = lane_of(queue)  # a model's own queue shares its lane's slot
+        lane = queues.lane_of(queue)  # a model's own queue shares its lane's slot
         if kind in TEXT_KINDS:  # while a request waits for memory, no other joins
             batches = self.text.values()
             return sum(len(b) for b in batches) < self.max_batch and not any(b.waiting for b in batches)
-        return self.solo[lane] is None and (lane == INTERACTIVE or self.solo[INTERACTIVE] is None)
+        return self.solo[lane] is None and (lane == queues.INTERACTIVE or self.solo[queues.INTERACTIVE] is None)
 
     def _begin(self, job: Job, queue) -> None:
         """Record the job started, parse its request and put it where it runs (or fail it)."""
@@ -191,7 +182,7 @@ class Scheduler:
             if batch is not None:
                 batch.add(task)
             else:
-                self._set_solo(lane_of(queue.name), task)
+                self._set_solo(queues.lane_of(queue.name), task)
         except REDIS_DOWN:
             raise
         except Exception as exc:  # a request that cannot run (unreadable, too long, no such model...)
@@ -220,7 +211,7 @@ class Scheduler:
 
     def _pick(self):
         """The next piece of work: a batch step, or a solo task's piece when it is due."""
-        solo = self.solo[INTERACTIVE] or self.solo[BATCH]
+        solo = self.solo[queues.INTERACTIVE] or self.solo[queues.BATCH]
         batches = [batch for batch in self.text.values() if len(batch)]
         if not batches:
             return solo
