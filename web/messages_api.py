@@ -20,7 +20,7 @@ from web.jobrun import stream_response, submit, wait_for_result
 from web.jsonbody import Blueprint
 from web.media_parts import accepts_media_parts
 from web.response_schemas import SSE, AnyObjectSchema, ServerSentEventSchema
-from web.schemas import ChatCompletionRequestSchema
+from web.schemas import load_chat
 from web.sse import sse_data
 
 blp = Blueprint("messages", __name__, url_prefix="/v1/messages", description="Anthropic's Messages API")
@@ -78,14 +78,10 @@ def _as_chat(body: dict) -> dict:
         system = "".join(block.get("text", "") for block in system if isinstance(block, dict))
     messages = ([{"role": "system", "content": system}] if system else [])
     messages += [_message_in(m, i) for i, m in enumerate(body["messages"])]
-    chat = {"model": body["model"], "messages": messages, "max_tokens": body["max_tokens"],
-            "temperature": body["temperature"], "top_p": body["top_p"], "top_k": body["top_k"],
-            "stop": body["stop_sequences"][:4] if body["stop_sequences"] else None}
-    try:
-        return ChatCompletionRequestSchema().load({k: v for k, v in chat.items() if v is not None})
-    except ValidationError as exc:
-        field = next(iter(exc.messages))
-        raise APIError(400, f"{field}: {exc.messages[field]}", "invalid_value", field) from None
+    return load_chat({"model": body["model"], "messages": messages, "max_tokens": body["max_tokens"],
+                      "temperature": body["temperature"], "top_p": body["top_p"], "top_k": body["top_k"],
+                      "stop": body["stop_sequences"][:4] if body["stop_sequences"] else None},
+                     {"stop": "stop_sequences"})
 
 
 def _message_in(message, index: int) -> dict:

@@ -16,7 +16,7 @@ from web.jobrun import stream_response, submit, wait_for_result
 from web.jsonbody import Blueprint
 from web.media_parts import accepts_media_parts
 from web.response_schemas import SSE, AnyObjectSchema, ServerSentEventSchema
-from web.schemas import ChatCompletionRequestSchema
+from web.schemas import load_chat
 from web.services import services
 from web.sse import sse_data
 
@@ -120,15 +120,9 @@ def _as_chat(body: dict, messages: list[dict]) -> dict:
     fmt = ((body.get("text") or {}).get("format")) or {"type": "text"}
     response_format = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}} \
         if fmt.get("type") == "json_schema" else fmt
-    chat = {"model": body["model"], "messages": messages, "max_tokens": body["max_output_tokens"],
-            "temperature": body["temperature"], "top_p": body["top_p"], "response_format": response_format}
-    try:
-        return ChatCompletionRequestSchema().load({k: v for k, v in chat.items() if v is not None})
-    except ValidationError as exc:
-        field = next(iter(exc.messages))
-        detail = exc.messages[field]
-        raise APIError(400, f"Invalid value for '{CHAT_FIELDS.get(field, field)}': {detail}", "invalid_value",
-                       CHAT_FIELDS.get(field, field)) from None
+    return load_chat({"model": body["model"], "messages": messages, "max_tokens": body["max_output_tokens"],
+                      "temperature": body["temperature"], "top_p": body["top_p"],
+                      "response_format": response_format}, CHAT_FIELDS)
 
 
 def _answer(done: dict) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from marshmallow import EXCLUDE, Schema, ValidationError, fields, validate, validates_schema
 
 from jobs.contract import Sampling
+from web.errors import APIError
 from web.structured import ResponseFormatSchema
 
 DEFAULTS = Sampling()
@@ -225,3 +226,15 @@ class ModelListSchema(Schema):
 
     object = fields.String(dump_default="list")
     data = fields.List(fields.Nested(ModelSchema))
+
+
+def load_chat(chat: dict, names: dict[str, str] | None = None) -> dict:
+    """A chat completion body built by another API (Responses, Messages), validated like a client's;
+    a 400 names the field by `names` (the other API's name for a chat field), else by its chat name."""
+    try:
+        return ChatCompletionRequestSchema().load({k: v for k, v in chat.items() if v is not None})
+    except ValidationError as exc:
+        field = next(iter(exc.messages))
+        name = (names or {}).get(field, field)
+        raise APIError(400, f"Invalid value for '{name}': {exc.messages[field]}", "invalid_value", name) from None
+
