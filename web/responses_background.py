@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from jobs import queues, records
 from jobs.lifecycle import cancel_queued, request_cancel, settle
+from web import intake
 from web import responses as rs
 from web.errors import APIError
 from web.jobrun import submit
@@ -25,8 +26,8 @@ def start(svc, request, body: dict, messages: list[dict], owner: str, created: i
     records.create(svc.redis, svc.settings, request.id, "chat",
                    {"model": request.model.id, "owner": owner, "metadata": body.get("metadata") or {}})
     try:
-        submit(request, queues.MULTIMODAL_CHAT if request.kind == "multimodal" else queues.CHAT_COMPLETION,
-               f"response {request.model.id} (background)", queue=queues.BATCH, timeout_s=CHAT_TIMEOUT_S,
+        submit(request, intake.chat_func(request), f"response {request.model.id} (background)", queue=queues.BATCH,
+               timeout_s=CHAT_TIMEOUT_S,
                meta={"kind": "chat", "model": request.model.id})
     except Exception as exc:
         records.set_status(svc.redis, svc.settings, request.id, "failed",
