@@ -10,11 +10,12 @@ from typing import Callable, Iterator
 
 from flask import Response, g, request
 
-from jobs import queues, spool
+from jobs import queues, records, spool
 from jobs.contract import Request, to_payload
 from jobs.events import DONE, ERROR
 from jobs.lifecycle import fail_if_orphaned, request_cancel
 from jobs.subscriber import IDLE, follow
+from web.auth import caller
 from web.errors import APIError
 from web.routing import queue_for
 from web.services import Services, services
@@ -44,6 +45,20 @@ def submit(request: Request, func: str, description: str, queue: str = queues.IN
         spool.discard(svc.settings.spool_dir, request.id)  # never enqueued: nothing else will remove it
         raise
     return request.id
+
+
+def submit_async(request: Request, kind: str, fields: dict, func: str, description: str, timeout_s: int,
+                 meta: dict) -> None:
+    """An async job: create its record (owned by the caller), then enqueue it on `batch` (or the model's
+    own batch queue); the record says failed if that is refused."""
+    svc = services()
+    records.create(svc.redis, svc.settings, request.id, kind, {**fields, "owner": caller().owner})
+    try:
+        submit(request, func, description, queue=queues.BATCH, timeout_s=timeout_s, meta=meta)
+    except Exception as exc:
+        records.set_status(svc.redis, svc.settings, request.id, "failed",
+                           error={"message": f"Not enqueued: {exc}", "code": "not_enqueued", "status": 503})
+        raise
 
 
 def _events(svc: Services, job_id: str, deadline: float) -> Iterator[dict]:

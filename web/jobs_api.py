@@ -24,7 +24,7 @@ from web.audio_schemas import (
 )
 from web.auth import caller
 from web.errors import APIError
-from web.jobrun import KEEPALIVE_S, submit
+from web.jobrun import KEEPALIVE_S, submit_async
 from web.jsonbody import Blueprint
 from web.media_parts import accepts_media_parts
 from web.response_schemas import SSE, TEXT, AnyObjectSchema, ServerSentEventSchema
@@ -62,19 +62,6 @@ def _record_or_404(job_id: str) -> dict:
     return record
 
 
-def _create_and_enqueue(request, kind: str, fields: dict, func: str, description: str, timeout_s: int,
-                        meta: dict) -> None:
-    """Create the job's record, then enqueue it on `batch` (the record says failed if that is refused)."""
-    svc = services()
-    records.create(svc.redis, svc.settings, request.id, kind, {**fields, "owner": caller().owner})
-    try:
-        submit(request, func, description, queue=queues.BATCH, timeout_s=timeout_s, meta=meta)
-    except Exception as exc:
-        records.set_status(svc.redis, svc.settings, request.id, "failed",
-                           error={"message": f"Not enqueued: {exc}", "code": "not_enqueued", "status": 503})
-        raise
-
-
 @blp.route("/transcriptions", methods=["POST"])
 @accepts_upload
 @blp.arguments(JobTranscriptionFormSchema(), location="multipart")
@@ -89,7 +76,7 @@ def create_transcription(form):
               "webhook_url": form["webhook_url"], "params": params}
     meta = {"kind": "transcription", "model": request.model.id, "filename": upload.filename,
             "duration_s": duration_s, "bytes": upload.size}
-    _create_and_enqueue(request, "transcription", fields, queues.TRANSCRIPTION,
+    submit_async(request, "transcription", fields, queues.TRANSCRIPTION,
                         intake.describe_audio(upload, audio, request.model.id),
                         timeout_s=max(3600, int(duration_s * 3) + 600), meta=meta)
     return _accepted(request.id)
@@ -103,7 +90,7 @@ def create_chat(body):
     """Submit an async chat completion; its result is a chat.completion object."""
     request = intake.chat_request(body, queues.new_job_id("job"), is_async=True)
     fields = {"model": request.model.id, "metadata": body["metadata"] or {}, "webhook_url": body["webhook_url"]}
-    _create_and_enqueue(request, "chat", fields, intake.chat_func(request), f"chat {request.model.id} (async)",
+    submit_async(request, "chat", fields, intake.chat_func(request), f"chat {request.model.id} (async)",
                         timeout_s=CHAT_TIMEOUT_S, meta={"kind": "chat", "model": request.model.id})
     return _accepted(request.id)
 

@@ -3,12 +3,12 @@ response refreshed from the job's record when it is fetched (OpenAI's own way of
 
 from __future__ import annotations
 
-from jobs import queues, records
+from jobs import records
 from jobs.lifecycle import cancel_queued, request_cancel, settle
 from web import intake
 from web import responses as rs
 from web.errors import APIError
-from web.jobrun import submit
+from web.jobrun import submit_async
 
 CHAT_TIMEOUT_S = 3600
 """RQ timeout of a background response's job."""
@@ -23,16 +23,9 @@ def start(svc, request, body: dict, messages: list[dict], owner: str, created: i
     if body["stream"] or not body["store"]:
         raise APIError(400, "A background response is stored and fetched later: it takes neither `stream` nor "
                             "`store: false`.", "invalid_value", "background")
-    records.create(svc.redis, svc.settings, request.id, "chat",
-                   {"model": request.model.id, "owner": owner, "metadata": body.get("metadata") or {}})
-    try:
-        submit(request, intake.chat_func(request), f"response {request.model.id} (background)", queue=queues.BATCH,
-               timeout_s=CHAT_TIMEOUT_S,
-               meta={"kind": "chat", "model": request.model.id})
-    except Exception as exc:
-        records.set_status(svc.redis, svc.settings, request.id, "failed",
-                           error={"message": f"Not enqueued: {exc}", "code": "not_enqueued", "status": 503})
-        raise
+    submit_async(request, "chat", {"model": request.model.id, "metadata": body.get("metadata") or {}},
+                 intake.chat_func(request), f"response {request.model.id} (background)", CHAT_TIMEOUT_S,
+                 {"kind": "chat", "model": request.model.id})
     response = rs.response_object(request.id, body, created, "queued")
     rs.store(svc.redis, response, messages, owner, svc.settings.result_ttl_s)
     return response
