@@ -229,12 +229,19 @@ class ModelManager:
         _free_memory()
         return True
 
-    def pin(self, info) -> Resident:
-        """Load a model if needed and keep it: LRU eviction passes it by until it is unpinned."""
-        resident = self.get(info)
-        self.pinned.add(str(Path(info.path).resolve()))
+    def pin(self, info) -> bool:
+        """Load a model if needed and keep it: LRU eviction passes it by until it is unpinned. True if it
+        was not pinned before."""
+        self.get(info)
+        key = str(Path(info.path).resolve())
+        was = key in self.pinned
+        self.pinned.add(key)
         self._changed()
-        return resident
+        return not was
+
+    def holds(self, model_path: str | Path) -> bool:
+        """Whether the model (by directory) is resident."""
+        return str(Path(model_path).resolve()) in self._models
 
     def unpin(self, model_path: str | Path) -> bool:
         """Let a pinned model be evicted again; True if it was pinned."""

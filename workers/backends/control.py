@@ -8,7 +8,6 @@ not unloaded (409 model_in_use).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 from jobs.contract import ControlRequest
 from workers.backends.base import Outcome
@@ -25,11 +24,10 @@ class ControlBackend:
         """Do the action in one piece; answer with what the worker holds afterwards."""
         path = request.model.path
         if request.action == "load":
-            changed = not _resident(models, path)
+            changed = not models.holds(path)
             models.load(request.model)
         elif request.action == "pin":
-            changed = not any(m["pinned"] for m in models.snapshot if m["id"] == request.model.id)
-            models.pin(request.model)
+            changed = models.pin(request.model)
         elif request.action == "unpin":
             changed = models.unpin(path)
         else:
@@ -37,10 +35,6 @@ class ControlBackend:
         yield Outcome({"object": "admin.model_action", "action": request.action, "model": request.model.id,
                        "changed": changed, "resident": public_models(models.snapshot),
                        "used_bytes": models.used_bytes(), "budget_bytes": models.budget_bytes})
-
-
-def _resident(models, path) -> bool:
-    return str(Path(path).resolve()) in {str(Path(m["path"]).resolve()) for m in models.snapshot}
 
 
 def public_models(snapshot: list[dict]) -> list[dict]:

@@ -39,11 +39,16 @@ def load(path: Path, float32: bool = False):
     """Load an mlx-lm model and its tokenizer; dequantize/upcast to float32 when asked (CPU policy)."""
     # Lazy load, so upcasting never holds the stored and the float32 weights fully at once.
     model, tokenizer = mlx_lm.load(str(path), lazy=True)
+    return materialize(model, float32), tokenizer
+
+
+def materialize(model, float32: bool):
+    """Evaluate a lazily loaded model's weights, dequantized and upcast to float32 first when asked."""
     if float32:
         dequantize_model(model)
         model.set_dtype(mx.float32)
     mx.eval(model.parameters())
-    return model, tokenizer
+    return model
 
 
 def chat_prompt(tokenizer, messages: Sequence[dict]) -> list[int]:

@@ -6,9 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-import mlx.core as mx
 import mlx_vlm
-from mlx_lm.utils import dequantize_model
 from mlx_vlm.prompt_utils import apply_chat_template
 
 from jobs.contract import Sampling
@@ -19,11 +17,7 @@ from workers.backends.sampling import logits_processors, make_sampler
 def load(path: Path, float32: bool = False):
     """Load an mlx-vlm model and its processor; dequantize/upcast to float32 when asked (CPU policy)."""
     model, processor = mlx_vlm.load(str(path), lazy=True)
-    if float32:
-        dequantize_model(model)
-        model.set_dtype(mx.float32)
-    mx.eval(model.parameters())
-    return model, processor
+    return textgen.materialize(model, float32), processor
 
 
 def tokenizer_of(processor):
