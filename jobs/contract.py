@@ -5,7 +5,7 @@ spooled) and enqueues its `to_payload()` as the RQ job's only argument; the work
 Defaults live here and nowhere else.
 
 Events of a job (jobs.events numbers them), by type, with their data:
-  delta     {"index", "text"}                     text generated for choice `index`
+  delta     {"index", "text", "tool_calls"?}      text generated for choice `index`; calls it completed
   segment   {"segment", "words"?}                 a finished transcript segment (verbose_json's shape)
   progress  {"done_s", "total_s", "percent", "eta_s"}
   done      TextResult.as_dict()  or  {"result": <verbose_json transcription>}
@@ -64,6 +64,7 @@ class TextRequest:
     n: int = 1  # choices per input: choice i*n + k is the k-th for input i
     is_async: bool = False  # an async job (/v1/jobs) keeps a record; a synchronous call does not
     request_id: str | None = None
+    tools: list[dict] | None = None  # function definitions the template renders; calls are parsed out of answers
     kind: str = field(default="text", init=False)
 
     @property
@@ -147,6 +148,7 @@ class Choice:
     text: str
     finish_reason: str | None
     logprobs: list | None = None  # one entry per token (workers/backends/logprobs.py) when asked for
+    tool_calls: list | None = None  # [{"id", "name", "arguments": a JSON string}] parsed out of the text
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".npz")
 
 _json_memo: dict[Path, tuple[tuple[int, int], dict]] = {}
 _size_memo: dict[Path, tuple[int, int]] = {}
+_text_memo: dict[Path, tuple[tuple[int, int], str]] = {}
 
 
 def _file_key(path) -> tuple[int, int] | None:
@@ -102,11 +103,50 @@ def detect_kind(config: dict) -> str:
     return "text"
 
 
-def capabilities_of(config: dict) -> tuple[str, ...]:
-    """What a model takes besides text: ("vision",), plus "audio" for models that hear (omni models)."""
-    if detect_kind(config) != "vision":
+def capabilities_of(config: dict, path: Path | None = None) -> tuple[str, ...]:
+    """What a model takes besides text: ("vision",), plus "audio" for models that hear (omni models);
+    "tools" for a text model whose chat template renders tool definitions in a format mlxq parses."""
+    kind = detect_kind(config)
+    if kind == "text":
+        return ("tools",) if path is not None and tool_format_of(chat_template_of(path)) else ()
+    if kind != "vision":
         return ()
     return ("vision", "audio") if "audio_config" in config else ("vision",)
+
+
+TOOL_FORMATS = {"json_tools": ("<tool_call>", "tool_call.name")}
+"""Tool-call formats by mlx-lm's parser name (mlx_lm.tool_parsers), with the strings of a chat template
+that mark it (as mlx-lm infers a tokenizer's parser): calls written as
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen 2.5, Hermes and most small models).
+Only these are served: the web tier compiles `tool_choice` into a grammar of that markup."""
+
+
+def tool_format_of(template: str | None) -> str | None:
+    """The tool-call format a chat template writes (a key of TOOL_FORMATS), None when it has no tools."""
+    if not template or "tools" not in template:
+        return None
+    for name, markers in TOOL_FORMATS.items():
+        if all(marker in template for marker in markers):
+            return name
+    return None
+
+
+def chat_template_of(path: Path) -> str | None:
+    """A model directory's chat template: chat_template.jinja, else tokenizer_config.json's (the default
+    one when it lists several)."""
+    jinja = path / "chat_template.jinja"
+    key = _file_key(jinja)
+    if key is not None:
+        hit = _text_memo.get(jinja)
+        if hit is None or hit[0] != key:
+            hit = (key, jinja.read_text(encoding="utf-8", errors="replace"))
+            _text_memo[jinja] = hit
+        return hit[1]
+    template = (read_json(path / "tokenizer_config.json") or {}).get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("tool_use") or named.get("default")
+    return template if isinstance(template, str) else None
 
 
 def context_length_of(config: dict) -> int | None:

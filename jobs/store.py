@@ -95,7 +95,7 @@ def _info_from_config_dir(ref: str, path: Path, source: str, size: int | None = 
         id=ref, path=path, kind=detect_kind(config), context_length=context_length_of(config),
         vocab_size=vocab_size_of(config), size_bytes=dir_size(path) if size is None else size, source=source,
         quantization=quantization_of(config), license=config.get("license"), created=int(created),
-        capabilities=capabilities_of(config),
+        capabilities=capabilities_of(config, path),
     )
 
 
@@ -120,7 +120,7 @@ def store_entry(settings, name: str) -> ModelInfo | None:
         size_bytes=dir_size(path), source=str(manifest.get("source") or f"dir:{path}"),
         quantization=manifest.get("quantization") or quantization_of(config),
         license=manifest.get("license"), created=parse_time(manifest.get("imported_at"), mtime),
-        capabilities=capabilities_of(config),
+        capabilities=capabilities_of(config, path),
     )
 
 

@@ -4,6 +4,7 @@ defaults applied, the upload spooled and probed. Every view submits what this bu
 
 from __future__ import annotations
 
+import json
 import logging
 
 from flask import g
@@ -24,7 +25,8 @@ from web.audio_check import check_audio
 from web.errors import APIError
 from web.media_parts import media_parts, spool_parts
 from web.services import services
-from web.structured import grammar_for
+from web.structured import answer_schema, grammar_for
+from web.tools import ToolPlan, chat_choice, chat_tools, plan
 from web.uploads import Upload, spool
 
 log = logging.getLogger(__name__)
@@ -52,8 +54,9 @@ def model_ref(info: ModelInfo) -> ModelRef:
     return ModelRef(info.id, str(info.path), info.kind, info.context_length, info.vocab_size)
 
 
-def sampling(body: dict, info: ModelInfo) -> Sampling:
-    """The sampling of a chat or completion body, bounded by the settings and the model."""
+def sampling(body: dict, info: ModelInfo, grammar: str | None = None) -> Sampling:
+    """The sampling of a chat or completion body, bounded by the settings and the model; `grammar`
+    (tool calls') stands in for the response_format's."""
     limit = services().settings.max_tokens_limit
     if info.context_length:
         limit = min(limit, info.context_length)
@@ -74,7 +77,7 @@ def sampling(body: dict, info: ModelInfo) -> Sampling:
         seed=body["seed"],
         stop=tuple(s for s in body["stop"] or () if s),
         repetition_penalty=body["repetition_penalty"],
-        grammar=grammar_for(body.get("response_format")),
+        grammar=grammar or grammar_for(body.get("response_format")),
         logprobs=_logprobs(body),
     )
 
@@ -91,16 +94,19 @@ def chat_request(body: dict, job_id: str, is_async: bool = False) -> TextRequest
     """A chat request: developer messages become system ones (chat templates know those).
 
     A chat with images or audio, or on a vision model, is a MultimodalRequest: its media are checked
-    against the model first (nothing is fetched for a model that cannot use it), then spooled.
+    against the model first (nothing is fetched for a model that cannot use it), then spooled. Tools
+    come as chat's `tools`/`tool_choice`, or already checked from another API (`tool_list`/`tool_mode`).
     """
     info = resolve_model(body["model"], ("text", "vision"))
-    messages = [{"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]}
-                for m in body["messages"]]
+    messages = [_message(m, i) for i, m in enumerate(body["messages"])]
+    tools = tool_plan(body, info)
     kinds = _check_media(messages, info)
-    common = {"sampling": sampling(body, info), "n": body["n"] or 1, "is_async": is_async,
+    if tools.tools and kinds:
+        raise APIError(400, "Tools cannot be combined with image or audio parts yet.", "invalid_value", "tools")
+    common = {"sampling": sampling(body, info, tools.grammar), "n": body["n"] or 1, "is_async": is_async,
               "request_id": g.request_id}
     if not kinds and info.kind == "text":
-        return TextRequest(job_id, model_ref(info), messages=messages, **common)
+        return TextRequest(job_id, model_ref(info), messages=messages, tools=tools.tools, **common)
     speech = None
     if "input_audio" in kinds and "audio" not in info.capabilities:
         speech = model_ref(_speech_model_for_chat())
@@ -108,6 +114,42 @@ def chat_request(body: dict, job_id: str, is_async: bool = False) -> TextRequest
     messages, images, audio = _with_media_refs(messages, parts)
     return MultimodalRequest(job_id, model_ref(info), messages, images=images, audio=audio, speech_model=speech,
                              **common)
+
+
+def tool_plan(body: dict, info: ModelInfo) -> ToolPlan:
+    """The request's tools, checked against the model (web/tools.py)."""
+    if "tool_list" in body:  # converted by the Responses or Messages API, which named its own fields
+        tools, choice = body["tool_list"], body["tool_mode"]
+    else:
+        tools, choice = chat_tools(body.get("tools")), chat_choice(body.get("tool_choice"))
+    parallel = body.get("parallel_tool_calls") is not False
+    return plan(tools, choice, parallel, info, answer_schema(body.get("response_format")))
+
+
+def _message(message: dict, index: int) -> dict:
+    """One message as chat templates take it: developer as system; tool calls' arguments as objects."""
+    converted = {"role": "system" if message["role"] == "developer" else message["role"],
+                 "content": message["content"]}
+    if message.get("tool_calls"):
+        converted["tool_calls"] = [_template_call(call, index, j) for j, call in enumerate(message["tool_calls"])]
+        converted["content"] = converted["content"] or ""
+    if message.get("tool_call_id"):
+        converted["tool_call_id"] = message["tool_call_id"]
+    if message.get("name") and message["role"] == "tool":
+        converted["name"] = message["name"]
+    return converted
+
+
+def _template_call(call: dict, index: int, j: int) -> dict:
+    """An earlier tool call as templates render it: {"id", "type", "function": {"name", "arguments": {}}}."""
+    function = call["function"]
+    try:
+        arguments = json.loads(function["arguments"] or "{}")
+    except ValueError:
+        raise APIError(400, "A tool call's arguments must be a JSON object encoded as a string.", "invalid_value",
+                       f"messages[{index}].tool_calls[{j}].function.arguments") from None
+    return {"id": call.get("id") or f"call_{index}_{j}", "type": "function",
+            "function": {"name": function["name"], "arguments": arguments}}
 
 
 def chat_func(request) -> str:

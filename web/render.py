@@ -31,9 +31,23 @@ def completion_logprobs(entries: list | None, offset: int = 0) -> dict | None:
             "text_offset": offsets}
 
 
+def openai_tool_calls(calls: list | None) -> list:
+    """The worker's tool calls in OpenAI's chat shape."""
+    return [{"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for c in calls or []]
+
+
+def chat_message(choice: dict) -> dict:
+    """A chat choice's assistant message: its text, and its tool calls (content null when it only calls)."""
+    calls = choice.get("tool_calls")
+    if not calls:
+        return {"role": "assistant", "content": choice["text"]}
+    return {"role": "assistant", "content": choice["text"].strip() or None, "tool_calls": openai_tool_calls(calls)}
+
+
 def chat_completion(job_id: str, created: int, done: dict) -> dict:
     """A `chat.completion` object from a text job's `done` data."""
-    choices = [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]},
+    choices = [{"index": c["index"], "message": chat_message(c),
                 "logprobs": chat_logprobs(c.get("logprobs")), "finish_reason": c["finish_reason"]}
                for c in done["choices"]]
     return {"id": job_id, "object": "chat.completion", "created": created, "model": done["model"],
@@ -54,6 +68,7 @@ def chat_chunks(job_id: str, model: str, created: int, include_usage: bool):
             "system_fingerprint": None}
     extra = {"usage": None} if include_usage else {}
     started = set()
+    calls_sent: dict[int, int] = {}  # per choice: tool calls streamed so far (a call's `index`)
 
     def chunk(index: int, delta: dict, finish_reason=None, logprobs=None) -> str:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -66,7 +81,12 @@ def chat_chunks(job_id: str, model: str, created: int, include_usage: bool):
             if index not in started:
                 started.add(index)
                 yield chunk(index, {"role": "assistant", "content": ""})
-            yield chunk(index, {"content": data["text"]}, logprobs=chat_logprobs(data.get("logprobs")))
+            if data["text"] or data.get("logprobs"):
+                yield chunk(index, {"content": data["text"]}, logprobs=chat_logprobs(data.get("logprobs")))
+            for call in openai_tool_calls(data.get("tool_calls")):  # each call whole, in one delta
+                position = calls_sent.get(index, 0)
+                calls_sent[index] = position + 1
+                yield chunk(index, {"tool_calls": [{"index": position, **call}]})
         elif event["type"] == DONE:
             for choice in data["choices"]:
                 if choice["index"] not in started:

@@ -149,14 +149,40 @@ class SamplingSchema(Schema):
 
 
 class ChatMessageSchema(Schema):
-    """One chat message; system, developer, user and assistant roles."""
+    """One chat message: system, developer, user, assistant (with tool calls, content may be null) and
+    tool (a call's result, naming the call)."""
 
     class Meta:
         unknown = EXCLUDE
 
-    role = fields.String(required=True, validate=validate.OneOf(["system", "developer", "user", "assistant"]))
-    content = MessageContent(required=True)
+    role = fields.String(required=True,
+                         validate=validate.OneOf(["system", "developer", "user", "assistant", "tool"]))
+    content = MessageContent(required=True, allow_none=True)
     name = fields.String(load_default=None, allow_none=True)
+    tool_calls = fields.List(fields.Dict(), load_default=None, allow_none=True)
+    tool_call_id = fields.String(load_default=None, allow_none=True)
+
+    @validates_schema
+    def _check_tool_fields(self, data, **kwargs):
+        """Null content only beside tool calls; calls only from the assistant; results name their call."""
+        role = data["role"]
+        if data.get("tool_calls") and role != "assistant":
+            raise ValidationError("only assistant messages carry tool calls", field_name="tool_calls")
+        if data.get("content") is None and not (role == "assistant" and data.get("tool_calls")):
+            raise ValidationError("must not be null (only an assistant message with tool_calls may omit it)",
+                                  field_name="content")
+        if role == "tool":
+            if not data.get("tool_call_id"):
+                raise ValidationError("a tool message needs the 'tool_call_id' of the call it answers",
+                                      field_name="tool_call_id")
+            if not isinstance(data["content"], str):
+                raise ValidationError("a tool message's content must be text", field_name="content")
+        for i, call in enumerate(data.get("tool_calls") or []):
+            function = call.get("function")
+            if call.get("type", "function") != "function" or not isinstance(function, dict) \
+                    or not isinstance(function.get("name"), str) or not isinstance(function.get("arguments"), str):
+                raise ValidationError(f"tool call {i} must be {{\"id\", \"type\": \"function\", \"function\": "
+                                      "{\"name\", \"arguments\": a JSON string}}", field_name="tool_calls")
 
 
 class ChatCompletionRequestSchema(SamplingSchema):
@@ -165,8 +191,9 @@ class ChatCompletionRequestSchema(SamplingSchema):
     messages = fields.List(fields.Nested(ChatMessageSchema), required=True, validate=validate.Length(min=1))
     max_completion_tokens = fields.Integer(strict=True, load_default=None, validate=validate.Range(min=1),
                                            allow_none=True)
-    tools = fields.List(fields.Dict(), load_default=None, allow_none=True)
+    tools = fields.List(fields.Raw(), load_default=None, allow_none=True)
     tool_choice = fields.Raw(load_default=None, allow_none=True)
+    parallel_tool_calls = fields.Boolean(load_default=True, allow_none=True)
     response_format = fields.Nested(ResponseFormatSchema, load_default=None, allow_none=True)
     logprobs = fields.Boolean(load_default=None, allow_none=True)
     top_logprobs = fields.Integer(strict=True, load_default=None, allow_none=True,
@@ -174,11 +201,7 @@ class ChatCompletionRequestSchema(SamplingSchema):
 
     @validates_schema
     def _refuse_chat_extras(self, data, **kwargs):
-        """Tools would change the answer's meaning: refuse them clearly."""
-        if data.get("tools"):
-            raise ValidationError("tool calling is not supported by this server", field_name="tools")
-        if data.get("tool_choice") not in (None, "none"):
-            raise ValidationError("tool calling is not supported by this server", field_name="tool_choice")
+        """top_logprobs means nothing without logprobs."""
         if data.get("top_logprobs") and not data.get("logprobs"):
             raise ValidationError("needs 'logprobs': true", field_name="top_logprobs")
 

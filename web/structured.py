@@ -39,22 +39,29 @@ class ResponseFormatSchema(Schema):
     json_schema = fields.Nested(JsonSchemaFormatSchema, load_default=None, allow_none=True)
 
 
-def grammar_for(response_format: dict | None) -> str | None:
-    """The llguidance grammar a response_format asks for (None: free text); 400 naming what is wrong."""
+def answer_schema(response_format: dict | None) -> dict | None:
+    """The JSON schema a response_format holds answers to (None: free text); 400 naming what is wrong."""
     kind = (response_format or {}).get("type") or "text"
     if kind == "text":
         return None
     if kind == "json_object":
-        schema = {"type": "object"}
-    else:
-        spec = response_format.get("json_schema")
-        if not spec:
-            raise APIError(400, "response_format of type 'json_schema' needs a 'json_schema' object.",
-                           "invalid_value", "response_format.json_schema")
-        schema = spec.get("schema") or {}  # OpenAI: no schema means any JSON value
+        return {"type": "object"}
+    spec = response_format.get("json_schema")
+    if not spec:
+        raise APIError(400, "response_format of type 'json_schema' needs a 'json_schema' object.",
+                       "invalid_value", "response_format.json_schema")
+    schema = spec.get("schema") or {}  # OpenAI: no schema means any JSON value
     if len(json.dumps(schema)) > MAX_SCHEMA_BYTES:
         raise APIError(400, f"The JSON schema is larger than {MAX_SCHEMA_BYTES // 1024} KiB.", "invalid_value",
                        PARAM)
+    return schema
+
+
+def grammar_for(response_format: dict | None) -> str | None:
+    """The llguidance grammar a response_format asks for (None: free text); 400 naming what is wrong."""
+    schema = answer_schema(response_format)
+    if schema is None:
+        return None
     try:
         grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     except ValueError as exc:

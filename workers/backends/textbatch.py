@@ -23,7 +23,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 
 from jobs.contract import Choice, TextResult
 from jobs.errors import Canceled, ModelTooLarge
-from workers.backends import sampling, textgen
+from workers.backends import sampling, textgen, toolcalls
 from workers.backends.base import Outcome
 from workers.backends.choice import Member, Sequence
 from workers.backends.solo import SoloDecoder
@@ -84,7 +84,7 @@ class TextBatch:
         request = task.request
         prompts = []  # every input checked before any is inserted: a refusal leaves the batch untouched
         for prompt in request.inputs:
-            ids = textgen.prompt_ids(self.tokenizer, prompt)
+            ids = textgen.prompt_ids(self.tokenizer, prompt, request.tools)
             prompts.append((ids, textgen.token_budget(len(ids), request.sampling.max_tokens,
                                                       request.model.context_length)))
         need = self.kv_per_token * request.n * sum(len(ids) + budget for ids, budget in prompts)
@@ -176,7 +176,8 @@ class TextBatch:
         sampler = sampling.make_sampler(request.sampling, self.vocab, copy)
         processors = sampling.logits_processors(request.sampling, self.tokenizer, self.vocab)
         seq = Sequence(task, index, len(ids), cached, self.tokenizer.detokenizer,
-                       textgen.StopBuffer(request.sampling.stop), tokenizer=self.tokenizer)
+                       textgen.StopBuffer(request.sampling.stop), tokenizer=self.tokenizer,
+                       tools=toolcalls.for_request(request, self.tokenizer))
         if alone:
             self.solo = seq, SoloDecoder(self.resident.model, ids[:cached], rest, cache, sampler, processors,
                                          budget, set(self.tokenizer.eos_token_ids), PREFILL_CHUNK)
@@ -221,7 +222,8 @@ class TextBatch:
         for member in self.members.values():
             if member.done:
                 ended.append((member.task, self._outcome(member)))
-            elif now - member.last_sent >= self.interval and any(s.pending for s in member.sequences):
+            elif now - member.last_sent >= self.interval and any(s.pending or s.pending_calls
+                                                                   for s in member.sequences):
                 due.append(member)
         if due:
             canceled = self._send([(m.task, self._deltas(m)) for m in due])
@@ -246,18 +248,18 @@ class TextBatch:
 
     @staticmethod
     def _deltas(member: Member) -> list:
-        events = [delta(s.index, s.pending, s.pending_logprobs) for s in member.sequences
-                  if s.pending or s.pending_logprobs]
+        events = [delta(s.index, s.pending, s.pending_logprobs, s.pending_calls) for s in member.sequences
+                  if s.pending or s.pending_logprobs or s.pending_calls]
         for seq in member.sequences:
-            seq.pending, seq.pending_logprobs = "", []
+            seq.pending, seq.pending_logprobs, seq.pending_calls = "", [], []
         return events
 
     def _outcome(self, member: Member) -> Outcome:
         """The answer of a finished request; its last deltas go out with it in one round trip."""
         request = member.task.request
         wanted = request.sampling.logprobs is not None
-        choices = [Choice(s.index, "".join(s.parts), s.finish_reason, s.logprobs if wanted else None)
-                   for s in member.sequences]
+        choices = [Choice(s.index, "".join(s.parts), s.finish_reason, s.logprobs if wanted else None,
+                          s.tool_calls or None) for s in member.sequences]
         prompts = {s.index // request.n: s for s in member.sequences}  # a prompt counts once for its n choices
         result = TextResult(request.model.id, choices, sum(s.prompt_tokens for s in prompts.values()),
                             sum(s.tokens for s in member.sequences), int(time.time()),

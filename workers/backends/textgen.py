@@ -51,19 +51,21 @@ def materialize(model, float32: bool):
     return model
 
 
-def chat_prompt(tokenizer, messages: Sequence[dict]) -> list[int]:
-    """Token ids of a chat, rendered with the model's chat template and the assistant turn opened."""
+def chat_prompt(tokenizer, messages: Sequence[dict], tools: list[dict] | None = None) -> list[int]:
+    """Token ids of a chat, rendered with the model's chat template (with its tools, if any) and the
+    assistant turn opened."""
     if getattr(tokenizer, "chat_template", None) is None:
         # A base model has no template: a plain transcript is the honest fallback.
         lines = [f"{m['role']}: {m['content']}" for m in messages]
         return text_prompt(tokenizer, "\n".join(lines) + "\nassistant:")
-    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    extra = {"tools": tools} if tools else {}
+    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, **extra)
     return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
 
-def prompt_ids(tokenizer, prompt: str | Sequence[dict]) -> list[int]:
-    """Token ids of a request's input: a chat (a list of messages) or a plain completion prompt."""
-    return chat_prompt(tokenizer, prompt) if isinstance(prompt, list) else text_prompt(tokenizer, prompt)
+def prompt_ids(tokenizer, prompt: str | Sequence[dict], tools: list[dict] | None = None) -> list[int]:
+    """Token ids of a request's input: a chat (a list of messages, with tools) or a plain completion prompt."""
+    return chat_prompt(tokenizer, prompt, tools) if isinstance(prompt, list) else text_prompt(tokenizer, prompt)
 
 
 def text_prompt(tokenizer, prompt: str) -> list[int]:
