@@ -149,6 +149,7 @@ class Choice:
     finish_reason: str | None
     logprobs: list | None = None  # one entry per token (workers/backends/logprobs.py) when asked for
     tool_calls: list | None = None  # [{"id", "name", "arguments": a JSON string}] parsed out of the text
+    stop_sequence: str | None = None  # the stop string that ended it (cut from the text), if one did
 
 
 @dataclass(frozen=True)

@@ -42,11 +42,28 @@ class UsageSchema(Schema):
     prompt_tokens_details = fields.Nested(PromptTokensDetailsSchema)
 
 
+class FunctionCallSchema(Schema):
+    """The function a tool call calls."""
+
+    name = fields.String(required=True)
+    arguments = fields.String(required=True, metadata={"description": "The arguments, a JSON object as a string"})
+
+
+class ToolCallSchema(Schema):
+    """One tool call of an assistant message."""
+
+    id = fields.String(required=True)
+    type = fields.String(required=True, metadata={"description": "Always 'function'"})
+    function = fields.Nested(FunctionCallSchema, required=True)
+
+
 class AssistantMessageSchema(Schema):
     """The message of a chat choice."""
 
     role = fields.String(required=True)
-    content = fields.String(required=True)
+    content = fields.String(required=True, allow_none=True,
+                            metadata={"description": "The answer; null when the choice only calls tools"})
+    tool_calls = fields.List(fields.Nested(ToolCallSchema), metadata={"description": "Present when it calls tools"})
 
 
 class ChatChoiceSchema(Schema):

@@ -12,7 +12,9 @@ import json
 import time
 
 from jobs import keys
+from web import responses_tools as tools
 from web.errors import APIError
+from web.render import chat_message
 
 MAX_STORED_BYTES = 1024 * 1024
 """The largest stored response (its conversation and object, as JSON); a larger one is not stored."""
@@ -51,8 +53,15 @@ def to_messages(body: dict, previous: dict | None) -> list[dict]:
     items = body["input"]
     if isinstance(items, str):
         return messages + [{"role": "user", "content": items}]
+    start = len(messages)
     for index, item in enumerate(items):
-        messages.append(_message(item, index))
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "function_call":  # joins the assistant turn just before it, if this input has one
+            tools.add_call(messages, item, f"input[{index}]", merge=len(messages) > start)
+        elif kind == "function_call_output":
+            messages.append(tools.output_message(messages, item, f"input[{index}]"))
+        else:
+            messages.append(_message(item, index))
     return messages
 
 
@@ -61,7 +70,8 @@ def _message(item, index: int) -> dict:
     param = f"input[{index}]"
     if not isinstance(item, dict) or item.get("type", "message") != "message":
         kind = item.get("type") if isinstance(item, dict) else type(item).__name__
-        raise APIError(400, f"Input items of type {kind!r} are not supported; send messages.", "invalid_value", param)
+        raise APIError(400, f"Input items of type {kind!r} are not supported; send messages, function_call and "
+                            "function_call_output items.", "invalid_value", param)
     role, content = item.get("role"), item.get("content")
     if role not in ("user", "assistant", "system", "developer"):
         raise APIError(400, "An input message's role must be user, assistant, system or developer.",
@@ -90,9 +100,10 @@ def response_object(response_id: str, body: dict, created: int, status: str, don
                 "model": body["model"], "instructions": body.get("instructions"), "output": [],
                 "error": None, "incomplete_details": None, "previous_response_id": body.get("previous_response_id"),
                 "max_output_tokens": body.get("max_output_tokens"), "temperature": body.get("temperature"),
-                "top_p": body.get("top_p"), "text": body.get("text") or {"format": {"type": "text"}}, "tools": [],
-                "tool_choice": "auto", "parallel_tool_calls": True, "store": body.get("store", True), "metadata": body.get("metadata") or {}, "usage": None,
-                "background": bool(body.get("background"))}
+                "top_p": body.get("top_p"), "text": body.get("text") or {"format": {"type": "text"}},
+                "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice") or "auto",
+                "parallel_tool_calls": body.get("parallel_tool_calls") is not False, "store": body.get("store", True),
+                "metadata": body.get("metadata") or {}, "usage": None, "background": bool(body.get("background"))}
     return finished(response, done, status) if done is not None else response
 
 
@@ -107,8 +118,20 @@ def finished(response: dict, done: dict | None, status: str, error: dict | None 
              "input_tokens_details": {"cached_tokens": done["usage"]["prompt_tokens_details"]["cached_tokens"]},
              "output_tokens": done["usage"]["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
              "total_tokens": done["usage"]["total_tokens"]}
-    return {**response, "status": status, "output": [message_item(response["id"], choice["text"])], "usage": usage,
+    return {**response, "status": status, "output": output_items(response["id"], choice), "usage": usage,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None}
+
+
+def output_items(response_id: str, choice: dict) -> list[dict]:
+    """A choice's output: the message (left out when the answer only calls), then one item per call."""
+    calls = choice.get("tool_calls") or []
+    message = [message_item(response_id, choice["text"])] if choice["text"].strip() or not calls else []
+    return message + [tools.call_item(call) for call in calls]
+
+
+def answer(done: dict) -> dict:
+    """The answer as the conversation's assistant turn (its calls as tool_calls), for stored responses."""
+    return chat_message(done["choices"][0])
 
 
 def message_item(response_id: str, text: str, status: str = "completed") -> dict:

@@ -10,6 +10,7 @@ from jobs.events import DELTA, DONE
 from web import intake
 from web import responses as rs
 from web import responses_background as background
+from web import responses_tools as tools
 from web.auth import caller
 from web.errors import APIError
 from web.jobrun import stream_response, submit, wait_for_result
@@ -27,7 +28,7 @@ CHAT_FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "response
 
 
 class ResponsesRequestSchema(Schema):
-    """POST /v1/responses body (the subset mlxq serves; tools are refused)."""
+    """POST /v1/responses body (the subset mlxq serves; of tools, function tools)."""
 
     class Meta:
         unknown = EXCLUDE
@@ -44,13 +45,14 @@ class ResponsesRequestSchema(Schema):
     text = fields.Dict(load_default=None, allow_none=True)
     metadata = fields.Dict(load_default=None, allow_none=True)
     background = fields.Boolean(load_default=False, allow_none=True)
-    tools = fields.List(fields.Dict(), load_default=None, allow_none=True)
+    # Each tool and the choice are checked by web/responses_tools.py, whose 400s name them (tools[2].type).
+    tools = fields.List(fields.Raw(), load_default=None, allow_none=True)
+    tool_choice = fields.Raw(load_default=None, allow_none=True)
+    parallel_tool_calls = fields.Boolean(load_default=True, allow_none=True)
 
     @validates_schema
-    def _refuse(self, data, **kwargs):
-        """Refuse what mlxq cannot serve yet, naming the field."""
-        if data.get("tools"):
-            raise ValidationError("tool calling is not supported by this server", field_name="tools")
+    def _check_input(self, data, **kwargs):
+        """`input` is a string or a list of items, not empty."""
         if not isinstance(data.get("input"), (str, list)) or not data["input"]:
             raise ValidationError("must be a non-empty string or list of items", field_name="input")
 
@@ -89,7 +91,7 @@ def create_response(body):
     done = wait_for_result(request.id)
     response = rs.response_object(request.id, body, created, "completed", done)
     if keep:
-        rs.store(keep[0], response, messages + [_answer(done)], keep[1], keep[2])
+        rs.store(keep[0], response, messages + [rs.answer(done)], keep[1], keep[2])
     return jsonify(response)
 
 
@@ -120,52 +122,78 @@ def _as_chat(body: dict, messages: list[dict]) -> dict:
     fmt = ((body.get("text") or {}).get("format")) or {"type": "text"}
     response_format = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}} \
         if fmt.get("type") == "json_schema" else fmt
-    return load_chat({"model": body["model"], "messages": messages, "max_tokens": body["max_output_tokens"],
+    chat = load_chat({"model": body["model"], "messages": messages, "max_tokens": body["max_output_tokens"],
                       "temperature": body["temperature"], "top_p": body["top_p"],
                       "response_format": response_format}, CHAT_FIELDS)
-
-
-def _answer(done: dict) -> dict:
-    return {"role": "assistant", "content": done["choices"][0]["text"]}
+    return {**chat, **tools.chat_fields(body)}  # checked tools: not chat's fields, so added after loading
 
 
 def _events(response_id: str, body: dict, created: int, messages: list[dict], keep):
-    """A renderer of a chat job's events as the Responses stream (response.created ... response.completed)."""
+    """A renderer of a chat job's events as the Responses stream (response.created ... response.completed).
+
+    The message item opens at the first text that is not whitespace (an answer that only calls a tool
+    has none: its output is the calls alone, as in the plain response). The calls follow it as
+    function_call items once the answer is done: they come after the message, which holds all the text
+    (a forced call ends the answer anyway)."""
     sequence = iter(range(1 << 62))
     item_id = rs.message_item(response_id, "")["id"]
-    text: list[str] = []
+    state = {"started": False, "open": False, "held": ""}  # held: leading whitespace, sent once the item opens
 
     def event(kind: str, **data) -> str:
         return sse_data({"type": kind, "sequence_number": next(sequence), **data}, event=kind)
 
-    def opening():
-        yield event("response.created", response=rs.response_object(response_id, body, created, "in_progress"))
-        yield event("response.in_progress", response=rs.response_object(response_id, body, created, "in_progress"))
+    def open_message():
+        state["open"], held = True, state["held"]
+        state["held"] = ""
         yield event("response.output_item.added", output_index=0,
                     item={**rs.message_item(response_id, "", "in_progress"), "content": []})
         yield event("response.content_part.added", item_id=item_id, output_index=0, content_index=0,
                     part={"type": "output_text", "text": "", "annotations": []})
+        if held:
+            yield text_delta(held)
 
-    def frames(job_event: dict):
-        if not text:
-            text.append("")
-            yield from opening()
-        if job_event["type"] == DELTA:
-            text.append(job_event["data"]["text"])
-            yield event("response.output_text.delta", item_id=item_id, output_index=0, content_index=0,
-                        delta=job_event["data"]["text"], logprobs=[])
-        elif job_event["type"] == DONE:
-            done = job_event["data"]
-            response = rs.response_object(response_id, body, created, "completed", done)
+    def text_delta(delta: str) -> str:
+        return event("response.output_text.delta", item_id=item_id, output_index=0, content_index=0, delta=delta,
+                     logprobs=[])
+
+    def on_text(piece: str):
+        if state["open"]:
+            if piece:  # a delta that only completed a call has no text
+                yield text_delta(piece)
+        elif (state["held"] + piece).strip():
+            state["held"] += piece
+            yield from open_message()
+        else:
+            state["held"] += piece
+
+    def on_done(done: dict):
+        response = rs.response_object(response_id, body, created, "completed", done)
+        output = response["output"]
+        if output and output[0]["type"] == "message":
+            if not state["open"]:  # an answer of whitespace alone, without calls: still a message
+                yield from open_message()
             final = done["choices"][0]["text"]
             yield event("response.output_text.done", item_id=item_id, output_index=0, content_index=0, text=final,
                         logprobs=[])
             yield event("response.content_part.done", item_id=item_id, output_index=0, content_index=0,
                         part={"type": "output_text", "text": final, "annotations": []})
-            yield event("response.output_item.done", output_index=0, item=response["output"][0])
-            if keep:
-                rs.store(keep[0], response, messages + [_answer(done)], keep[1], keep[2])
-            yield event("response.completed", response=response)
+            yield event("response.output_item.done", output_index=0, item=output[0])
+        for index, item in enumerate(output):
+            if item["type"] == "function_call":
+                yield from tools.call_events(event, item, index)
+        if keep:
+            rs.store(keep[0], response, messages + [rs.answer(done)], keep[1], keep[2])
+        yield event("response.completed", response=response)
+
+    def frames(job_event: dict):
+        if not state["started"]:
+            state["started"] = True
+            yield event("response.created", response=rs.response_object(response_id, body, created, "in_progress"))
+            yield event("response.in_progress", response=rs.response_object(response_id, body, created, "in_progress"))
+        if job_event["type"] == DELTA:  # its tool_calls wait for the done event (see above)
+            yield from on_text(job_event["data"]["text"])
+        elif job_event["type"] == DONE:
+            yield from on_done(job_event["data"])
 
     return frames
 

@@ -45,7 +45,7 @@ def refresh(svc, stored: dict) -> dict:
     done = records.get_result(svc.redis, job_id) if status == "completed" else None
     error = record.get("error") if status in ("failed", "cancelled") else None
     final = rs.finished(response, done, status, error)
-    answer = [{"role": "assistant", "content": done["choices"][0]["text"]}] if done else []
+    answer = [rs.answer(done)] if done else []  # with its calls: a later request may answer them
     rs.store(svc.redis, final, stored["messages"] + answer, stored.get("owner", ""), svc.settings.result_ttl_s)
     return final
 

@@ -157,7 +157,7 @@ class ChatMessageSchema(Schema):
 
     role = fields.String(required=True,
                          validate=validate.OneOf(["system", "developer", "user", "assistant", "tool"]))
-    content = MessageContent(required=True, allow_none=True)
+    content = MessageContent(load_default=None, allow_none=True)
     name = fields.String(load_default=None, allow_none=True)
     tool_calls = fields.List(fields.Dict(), load_default=None, allow_none=True)
     tool_call_id = fields.String(load_default=None, allow_none=True)

@@ -120,8 +120,8 @@ def plan(tools: list[Tool], choice: str, parallel: bool, info: ModelInfo, answer
     if len(tools) > MAX_TOOLS:
         raise APIError(400, f"At most {MAX_TOOLS} tools per request.", "invalid_value", tools_param)
     names = [t.name for t in tools]
-    for t in tools:
-        if names.count(t.name) > 1:
+    for i, t in enumerate(tools):
+        if t.name in names[:i]:
             raise APIError(400, f"Two tools are named '{t.name}'.", "invalid_value", f"{t.param}.name")
     if "tools" not in info.capabilities:
         raise APIError(400, f"Model '{info.id}' cannot call tools: its chat template has no tool calls in a format "

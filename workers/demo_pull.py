@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from jobs import store
+from jobs.model_files import chat_template_of
 from jobs.store import ModelInfo
 from workers.store_admin import StoreError, converter_for, downloads_dir, import_into_store
 
@@ -78,10 +79,10 @@ def pull_demo(settings, log: Callable[[str], None] | None = None) -> list[ModelI
 
 def pull_demo_tools(settings, log: Callable[[str], None]) -> ModelInfo:
     """Put the tool-calling variant of the text demo in the store (its weights, a template with tools)."""
-    from workers.importers.demo_tools import NAME, build_tools_variant
+    from workers.importers.demo_tools import CHAT_TEMPLATE, NAME, build_tools_variant
 
     info = store.store_entry(settings, NAME)
-    if info is not None:
+    if info is not None and chat_template_of(info.path) == CHAT_TEMPLATE:
         log(f"{NAME}: already in the store")
         return info
     text_demo = DEMO_MODELS[0]
@@ -94,7 +95,8 @@ def pull_demo_tools(settings, log: Callable[[str], None]) -> ModelInfo:
                   "origin": "mlxq demo build: workers/importers/demo_tools.py",
                   "description": "SmolLM2-135M-Instruct with a Hermes-style tool template (not trained for tools: "
                                  "use tool_choice 'required' or a named function for dependable calls)"}
-    return import_into_store(settings, NAME, build_tools_variant, text.path, provenance)
+    # force: an entry made with an older template is replaced (it takes a second: the weights are links)
+    return import_into_store(settings, NAME, build_tools_variant, text.path, provenance, force=info is not None)
 
 
 def pull_demo_vlm(settings, log: Callable[[str], None]) -> ModelInfo:

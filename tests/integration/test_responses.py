@@ -1,5 +1,5 @@
 """POST /v1/responses through the official openai client: plain, streamed, continued with
-previous_response_id, structured, stored and fetched; errors in the envelope."""
+previous_response_id, structured, stored and fetched, calling functions; errors in the envelope."""
 
 from __future__ import annotations
 
@@ -60,11 +60,8 @@ def test_errors(openai_client):
     with pytest.raises(openai.NotFoundError) as missing:
         create(openai_client, input="Hi", previous_response_id="resp-nothing")
     assert missing.value.body["code"] == "previous_response_not_found"
-    with pytest.raises(openai.BadRequestError) as tools:
-        create(openai_client, input="Hi", tools=[{"type": "function", "name": "f", "parameters": {}}])
-    assert tools.value.body["param"] == "tools"
     with pytest.raises(openai.BadRequestError) as item:
-        create(openai_client, input=[{"type": "function_call_output", "call_id": "x", "output": "1"}])
+        create(openai_client, input=[{"type": "item_reference", "id": "msg_x"}])
     assert item.value.body["param"] == "input[0]"
     with pytest.raises(openai.NotFoundError):
         openai_client.responses.retrieve("resp-unknown")
@@ -93,3 +90,120 @@ def test_a_background_response_can_be_canceled(openai_client):
     final = wait_until(lambda: (r := openai_client.responses.retrieve(started.id)).status != "in_progress" and r, 60,
                        interval=0.2, what="the cancel to take effect")
     assert final.status == "cancelled"
+
+
+# Function calling. The tools model is a 135M model not trained for tools: left to choose ("auto") it
+# answers in text, so the tests force the call (a grammar holds it to the tool's schema) and leave
+# parallel calls off (allowed them, the tiny model repeats its call until max_output_tokens).
+TOOLS_MODEL = "smollm2-135m-tools"
+WEATHER = {"type": "function", "name": "get_weather", "description": "Get the current weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                          "additionalProperties": False}}
+WEATHER_QUESTION = "What is the weather like in Paris today?"
+NAMED = {"type": "function", "name": "get_weather"}
+
+
+def call(client, **kwargs):
+    return create(client, **{"model": TOOLS_MODEL, "tools": [WEATHER], "parallel_tool_calls": False,
+                             "max_output_tokens": 48, "input": WEATHER_QUESTION, **kwargs})
+
+
+def the_call(response):
+    """The response's one function_call item, checked."""
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert len(calls) == 1, response.output
+    item = calls[0]
+    assert item.name == "get_weather" and item.status == "completed", item
+    assert item.id.startswith("fc_") and item.call_id.startswith("call_")
+    assert isinstance(json.loads(item.arguments)["city"], str), item.arguments
+    return item
+
+
+def calls_of(output) -> list:
+    return [(item.type, getattr(item, "name", None), getattr(item, "arguments", None)) for item in output]
+
+
+def output_of(item) -> dict:
+    """A function_call output item as the next request's input item."""
+    return {"type": "function_call_output", "call_id": item.call_id,
+            "output": json.dumps({"temperature_c": 21, "sky": "sunny"})}
+
+
+@pytest.mark.parametrize("choice", [NAMED, "required"])
+def test_a_forced_tool_choice_gives_a_function_call_item(openai_client, choice):
+    response = call(openai_client, tool_choice=choice)
+    assert response.status == "completed", (response.status, response.output)
+    the_call(response)
+    assert response.output[-1].type == "function_call"
+    # The response echoes the tool fields as given.
+    echoed = response.model_dump()
+    assert echoed["tool_choice"] == choice and echoed["parallel_tool_calls"] is False
+    assert echoed["tools"][0]["name"] == "get_weather"
+
+
+def test_the_streamed_call_is_the_plain_one(openai_client):
+    plain = call(openai_client, tool_choice=NAMED, store=False)
+    events = list(call(openai_client, tool_choice=NAMED, store=False, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    final = events[-1].response
+    assert calls_of(final.output) == calls_of(plain.output)
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert [e.arguments for e in done] == [the_call(plain).arguments]
+    added = [e for e in events if e.type == "response.output_item.added"]
+    assert [e.output_index for e in added] == list(range(len(final.output)))
+    assert added[-1].item.type == "function_call" and added[-1].item.arguments == ""
+    item = the_call(final)
+    assert kinds[-5:] == ["response.output_item.added", "response.function_call_arguments.delta",
+                          "response.function_call_arguments.done", "response.output_item.done",
+                          "response.completed"]
+    assert [e.item.id for e in events if e.type == "response.output_item.done"][-1] == item.id
+
+
+def test_a_call_answered_in_input_completes_with_text(openai_client):
+    first = call(openai_client, tool_choice=NAMED)
+    item = the_call(first)
+    answer = create(openai_client, model=TOOLS_MODEL, tools=[WEATHER], input=[
+        {"role": "user", "content": WEATHER_QUESTION},
+        {"type": "function_call", "call_id": item.call_id, "name": item.name, "arguments": item.arguments},
+        output_of(item)])
+    assert answer.status in ("completed", "incomplete") and answer.output_text.strip(), answer.output
+    assert [i.type for i in answer.output] == ["message"]
+    assert answer.usage.input_tokens > first.usage.input_tokens  # the call and its result were read
+
+
+def test_previous_response_id_answers_the_stored_call(openai_client):
+    first = call(openai_client, tool_choice="required")
+    item = the_call(first)
+    answer = create(openai_client, model=TOOLS_MODEL, tools=[WEATHER], previous_response_id=first.id,
+                    input=[output_of(item)])
+    assert answer.status in ("completed", "incomplete") and answer.output_text.strip(), answer.output
+    # The stored call came back as the assistant's turn: the prompt holds it and its result.
+    assert answer.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+
+
+def test_a_background_call_is_fetched_like_a_plain_one(openai_client):
+    plain = call(openai_client, tool_choice=NAMED, store=False)
+    started = call(openai_client, tool_choice=NAMED, background=True)
+    done = wait_until(lambda: (r := openai_client.responses.retrieve(started.id)).status == "completed" and r, 60,
+                      interval=0.2, what="the background response to complete")
+    assert calls_of(done.output) == calls_of(plain.output)
+    follow_up = create(openai_client, model=TOOLS_MODEL, previous_response_id=started.id,
+                       input=[output_of(the_call(done))])
+    assert follow_up.output_text.strip()
+
+
+@pytest.mark.parametrize("kwargs, param, code", [
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type", "invalid_value"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_time"}}, "tool_choice", "invalid_value"),
+    ({"tools": [WEATHER], "model": MODEL}, "tools", "tools_not_supported"),
+    ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "1"}]}, "input[0].call_id",
+     "invalid_value"),
+    ({"input": [{"type": "function_call", "call_id": "call_x", "name": "get_weather", "arguments": "[1]"}]},
+     "input[0].arguments", "invalid_value"),
+])
+def test_tool_errors_name_the_field(openai_client, kwargs, param, code):
+    with pytest.raises(openai.BadRequestError) as error:
+        create(openai_client, **{"model": TOOLS_MODEL, "input": "Hi", **kwargs})
+    assert (error.value.body["param"], error.value.body["code"]) == (param, code), error.value.body

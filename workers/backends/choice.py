@@ -29,6 +29,7 @@ class Sequence:
     tools: ToolCalls | None = None  # cuts tool calls out of the text, when the request has tools
     tool_calls: list = field(default_factory=list)  # every call it made
     pending_calls: list = field(default_factory=list)  # calls completed since its last delta went out
+    stop_sequence: str | None = None  # the stop string that ended it, if one did
 
     def advance(self, token: int, finish_reason: str | None, logprobs=None) -> bool:
         """Feed one generated token (and the log-probabilities it was sampled from); True when the
@@ -49,7 +50,7 @@ class Sequence:
                 self.detokenizer.finalize()
         text, matched = self.stops.feed(self.detokenizer.last_segment)
         if matched:
-            finish_reason = "stop"
+            finish_reason, self.stop_sequence = "stop", self.stops.matched
         elif finish_reason:
             text += self.stops.flush()
         if self.tools is not None:

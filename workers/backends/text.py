@@ -63,7 +63,8 @@ def run_choices(request, job, generate: Callable[[object], Iterator[textgen.Piec
             raise
         wanted = request.sampling.logprobs is not None
         finish = "tool_calls" if calls and final.finish_reason == "stop" else final.finish_reason
-        choices.append(Choice(index, text, finish, logprobs if wanted else None, calls or None))
+        choices.append(Choice(index, text, finish, logprobs if wanted else None, calls or None,
+                              final.stop_sequence))
         prompt_tokens += final.prompt_tokens
         completion_tokens += final.tokens
         held = [delta(index, *last_delta)] if any(last_delta) else []

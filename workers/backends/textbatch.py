@@ -259,7 +259,7 @@ class TextBatch:
         request = member.task.request
         wanted = request.sampling.logprobs is not None
         choices = [Choice(s.index, "".join(s.parts), s.finish_reason, s.logprobs if wanted else None,
-                          s.tool_calls or None) for s in member.sequences]
+                          s.tool_calls or None, s.stop_sequence) for s in member.sequences]
         prompts = {s.index // request.n: s for s in member.sequences}  # a prompt counts once for its n choices
         result = TextResult(request.model.id, choices, sum(s.prompt_tokens for s in prompts.values()),
                             sum(s.tokens for s in member.sequences), int(time.time()),

@@ -28,6 +28,7 @@ class Piece:
     prompt_tokens: int
     finish_reason: str | None = None  # "stop" | "length" on the last piece
     logprob: dict | None = None  # this token's logprobs entry, when the request asks for them
+    stop_sequence: str | None = None  # the stop string that ended it, if one did
 
     @property
     def final(self) -> bool:
@@ -79,13 +80,15 @@ class StopBuffer:
     def __init__(self, stops: Sequence[str]):
         self.stops = [s for s in stops if s]
         self.pending = ""
+        self.matched: str | None = None  # the stop string found, once one is
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Add text; return (text safe to release, whether a stop string matched)."""
         self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, s) for i, s in ((self.pending.find(s), s) for s in self.stops) if i >= 0]
         if hits:
-            released, self.pending = self.pending[: min(hits)], ""
+            at, self.matched = min(hits, key=lambda hit: hit[0])
+            released, self.pending = self.pending[:at], ""
             return released, True
         keep = self._held_tail()
         cut = len(self.pending) - keep
@@ -164,7 +167,7 @@ def pieces(steps: Iterator[Step], stops: StopBuffer) -> Iterator[Piece]:
         for step in steps:
             text, matched = stops.feed(step.text)
             if matched:
-                yield Piece(text, step.tokens, step.prompt_tokens, "stop", step.logprob)
+                yield Piece(text, step.tokens, step.prompt_tokens, "stop", step.logprob, stops.matched)
                 return
             if step.finish_reason:
                 yield Piece(text + stops.flush(), step.tokens, step.prompt_tokens, step.finish_reason, step.logprob)

@@ -18,55 +18,38 @@ from pathlib import Path
 
 NAME = "smollm2-135m-tools"
 
-CHAT_TEMPLATE = """\
-{%- set system = 'You are a helpful AI assistant named SmolLM, trained by Hugging Face' -%}
-{%- if messages and messages[0]['role'] == 'system' -%}{%- set system = messages[0]['content'] -%}{%- endif -%}
-<|im_start|>system
-{{ system }}
-{%- if tools %}
-
-# Tools
-
-You may call one or more functions to assist with the user query.
-
-You are provided with function signatures within <tools></tools> XML tags:
-<tools>
-{%- for tool in tools %}
-{{ (tool.function if tool.function is defined else tool) | tojson }}
-{%- endfor %}
-</tools>
-
-For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
-<tool_call>
-{"name": <function-name>, "arguments": <args-json-object>}
-</tool_call>
-{%- endif %}<|im_end|>
-{% for message in messages -%}
-{%- if message['role'] == 'system' and loop.first -%}
-{%- elif message['role'] == 'assistant' and message.tool_calls -%}
-<|im_start|>assistant
-{%- if message['content'] %}
-{{ message['content'] }}
-{%- endif %}
-{%- for tool_call in message.tool_calls %}
-{%- set tool_call = tool_call.function if tool_call.function is defined else tool_call %}
-<tool_call>
-{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}
-</tool_call>
-{%- endfor %}<|im_end|>
-{% elif message['role'] == 'tool' -%}
-<|im_start|>user
-<tool_response>
-{{ message['content'] }}
-</tool_response><|im_end|>
-{% else -%}
-<|im_start|>{{ message['role'] }}
-{{ message['content'] }}<|im_end|>
-{% endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif -%}
-"""
+CHAT_TEMPLATE = (
+    "{%- set system = 'You are a helpful AI assistant named SmolLM, trained by Hugging Face' -%}"
+    "{%- if messages and messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}{% endif -%}"
+    "{{- '<|im_start|>system\\n' + system }}"
+    "{%- if tools %}"
+    "{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n'"
+    " + 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + ((tool.function if tool.function is defined else tool) | tojson) }}"
+    "{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments '"
+    " + 'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n'"
+    " + '{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call>' }}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first %}"
+    "{%- elif message['role'] == 'assistant' and message.tool_calls %}"
+    "{{- '<|im_start|>assistant' }}{% if message['content'] %}{{- '\\n' + message['content'] }}{% endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- set tool_call = tool_call.function if tool_call.function is defined else tool_call %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": '"
+    " + (tool_call.arguments | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
 def build_tools_variant(text_dir: Path, out_dir: Path) -> dict:
