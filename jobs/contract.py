@@ -85,6 +85,7 @@ class TranscriptionRequest:
     prompt: str | None = None
     temperature: float = 0.0
     word_timestamps: bool = False
+    chunking: str | None = None  # "auto": decode only the speech a voice activity detector finds
     is_async: bool = False
     request_id: str | None = None
     attempts: int = 1  # runs started so far, this one included (a crashed run is resumed, not restarted)

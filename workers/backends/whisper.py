@@ -7,15 +7,15 @@ interactive work, or resume after a crash in another process, and audio is strea
 
 Boundaries lose and double nothing because a window is only ever cut at a segment boundary: of a
 window's segments we keep those that end before its last timestamp token (Whisper's rule) and, in a
-window followed by more audio, before its end minus `EDGE_MARGIN_S`; the next window starts where
+window followed by more audio, before its end minus `segments.EDGE_MARGIN_S`; the next window starts where
 the last kept segment ends, and the text so far is its prompt (condition_on_previous_text).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import mlx.core as mx
 import numpy as np
@@ -32,16 +32,10 @@ from mlx_audio.stt.models.whisper.timing import add_word_timestamps
 from mlx_audio.stt.models.whisper.tokenizer import LANGUAGES, TO_LANGUAGE_CODE
 
 from workers.audio import SAMPLE_RATE, AudioError, AudioReader
-
-EDGE_MARGIN_S = 1.0
-"""A segment ending this close to the end of a window that has audio after it may hold a word cut
-in two by the window edge: it is decoded again as the start of the next window instead."""
+from workers.backends.segments import SpeechSpans, public_segment, split_segments
 
 LENGTH_SLACK_S = 1.0
 """How far past settings.max_audio_s decoding may go before the file is refused (rounding in headers)."""
-
-TIME_PRECISION = 0.02
-"""Seconds per Whisper timestamp token."""
 
 _FALLBACK_STEP = 0.2  # temperature increments of the fallback ladder (Whisper's defaults below)
 _COMPRESSION_RATIO_MAX = 2.4
@@ -131,25 +125,45 @@ def initial_state(model, options: Options) -> ResumeState:
     return state
 
 
-def transcribe_chunks(model, path, options: Options, start_state: ResumeState | None = None
-                      ) -> Iterator[ChunkResult]:
-    """Transcribe `path` from `start_state` (None: the beginning), one window per yielded ChunkResult."""
+def transcribe_chunks(model, path, options: Options, start_state: ResumeState | None = None,
+                      speech: Iterable[tuple[float, float]] | None = None) -> Iterator[ChunkResult]:
+    """Transcribe `path` from `start_state` (None: the beginning), one window per yielded ChunkResult.
+
+    With `speech` (the (start_s, end_s) pieces a voice activity detector found, in order: workers/vad.py),
+    only those are decoded, each window ending with its piece; the silence between them is skipped."""
     state = start_state or initial_state(model, options)
+    spans = SpeechSpans(speech) if speech is not None else None
     reader = AudioReader(path, state.offset_s)
     try:
         while True:
-            samples = reader.read(state.seek * HOP_LENGTH, N_SAMPLES)
-            _check_length(options, state.seek * HOP_LENGTH + len(samples))
-            if len(samples) < HOP_LENGTH:  # less than one frame left: nothing to decode
+            span = spans.at_or_after(state.seek) if spans is not None else None
+            if spans is not None and span is None:  # no speech left
                 yield ChunkResult([], state, True)
                 return
-            chunk = decode_window(model, samples, options, state, has_more=len(samples) == N_SAMPLES)
+            if span is not None and state.seek < span[0]:
+                state = replace(state, seek=span[0])
+            start = state.seek * HOP_LENGTH
+            end = span[1] * HOP_LENGTH if span is not None else None
+            samples = reader.read(start, N_SAMPLES if end is None else min(N_SAMPLES, end - start))
+            _check_length(options, start + len(samples))
+            if len(samples) < HOP_LENGTH:  # less than one frame left: nothing to decode here
+                if span is None:
+                    yield ChunkResult([], state, True)
+                    return
+                state = replace(state, seek=span[1])  # the rest of a piece, shorter than a frame
+                continue
+            has_more = len(samples) == N_SAMPLES if end is None else start + len(samples) < end
+            chunk = decode_window(model, samples, options, state, has_more)
+            if chunk.finished and spans is not None and spans.at_or_after(chunk.state.seek) is not None:
+                chunk = replace(chunk, finished=False)  # this piece is done; more speech follows
             yield chunk
             if chunk.finished:
                 return
             state = chunk.state
     finally:
         reader.close()
+        if spans is not None:
+            spans.close()
 
 
 def _check_length(options: Options, end_sample: int) -> None:
@@ -171,7 +185,7 @@ def decode_window(model, samples: np.ndarray, options: Options, state: ResumeSta
     result = _decode_with_fallback(model, mel, options, state, language)
     if _is_silence(result):
         return _advance(state, [], state.seek + frames, language, frames, has_more, result)
-    segments, next_seek = _split_segments(np.array(result.tokens), tokenizer, result, state.seek, frames,
+    segments, next_seek = split_segments(np.array(result.tokens), tokenizer, result, state.seek, frames,
                                           has_more)
     if options.word_timestamps and segments:
         add_word_timestamps(segments=segments, model=model, tokenizer=tokenizer, mel=mel, num_frames=frames,
@@ -194,73 +208,7 @@ def _advance(state: ResumeState, segments: list[dict], next_seek: int, language:
         last_speech_s=words[-1]["end"] if words else state.last_speech_s, language=language,
     )
     finished = not has_more and next_seek >= state.seek + frames
-    return ChunkResult([_public_segment(seg) for seg in spoken], new_state, finished)
-
-
-def _split_segments(tokens: np.ndarray, tokenizer, result: DecodingResult, seek: int, frames: int,
-                    has_more: bool) -> tuple[list[dict], int]:
-    """Cut a window's tokens into segments at timestamp pairs; return the complete ones and the next seek."""
-    offset = seek / FRAMES_PER_SECOND
-    is_ts = tokens >= tokenizer.timestamp_begin
-    single_ending = is_ts[-2:].tolist() == [False, True]
-    cuts = (np.where(is_ts[:-1] & is_ts[1:])[0] + 1).tolist()
-    if single_ending:
-        cuts.append(len(tokens))
-    segments, last = [], 0
-    for cut in cuts:
-        piece = tokens[last:cut]
-        start, end = (int(piece[i]) - tokenizer.timestamp_begin for i in (0, -1))
-        segments.append(_segment(piece, tokenizer, result, seek, offset + start * TIME_PRECISION,
-                                 offset + end * TIME_PRECISION))
-        last = cut
-    if not segments:  # no timestamp pair: the whole window is one segment (as in Whisper)
-        end = offset + _lone_end(tokens, tokenizer, frames)
-        return [_segment(tokens, tokenizer, result, seek, offset, end)], seek + frames
-    return _keep_complete(segments, seek, frames, has_more, single_ending)
-
-
-def _lone_end(tokens: np.ndarray, tokenizer, frames: int) -> float:
-    """End of a window's only segment: its last timestamp if it has a non-zero one, else the window's end."""
-    stamps = tokens[tokens >= tokenizer.timestamp_begin]
-    if len(stamps) and stamps[-1] != tokenizer.timestamp_begin:
-        return (int(stamps[-1]) - tokenizer.timestamp_begin) * TIME_PRECISION
-    return frames / FRAMES_PER_SECOND
-
-
-def _keep_complete(segments: list[dict], seek: int, frames: int, has_more: bool, single_ending: bool
-                   ) -> tuple[list[dict], int]:
-    """Drop segments that may be cut by the window edge; the next window starts after the last kept one."""
-    window_end = (seek + frames) / FRAMES_PER_SECOND
-    if has_more:
-        kept = [seg for seg in segments if seg["end"] <= window_end - EDGE_MARGIN_S] or segments
-    elif single_ending:
-        return segments, seek + frames  # the last window, and Whisper says nothing follows
-    else:
-        kept = segments
-    next_seek = round(kept[-1]["end"] * FRAMES_PER_SECOND)
-    return kept, next_seek if next_seek > seek else seek + frames
-
-
-def _segment(tokens: np.ndarray, tokenizer, result: DecodingResult, seek: int, start: float, end: float) -> dict:
-    """One segment in Whisper's shape (verbose_json's, plus `words` added later when asked)."""
-    token_list = tokens.tolist()
-    return {
-        "id": 0, "seek": seek, "start": round(start, 2), "end": round(end, 2),
-        "text": tokenizer.decode([t for t in token_list if t < tokenizer.eot]), "tokens": token_list,
-        "temperature": result.temperature, "avg_logprob": result.avg_logprob,
-        "compression_ratio": result.compression_ratio, "no_speech_prob": result.no_speech_prob,
-    }
-
-
-def _public_segment(seg: dict) -> dict:
-    """Plain JSON types, words reduced to OpenAI's {"word", "start", "end"} (trimmed)."""
-    out = {k: v for k, v in seg.items() if k != "words"}
-    for key in ("temperature", "avg_logprob", "compression_ratio", "no_speech_prob"):
-        out[key] = float(out[key])
-    if "words" in seg:
-        out["words"] = [{"word": w["word"].strip(), "start": float(w["start"]), "end": float(w["end"])}
-                        for w in seg["words"]]
-    return out
+    return ChunkResult([public_segment(seg) for seg in spoken], new_state, finished)
 
 
 def _decode_with_fallback(model, mel: mx.array, options: Options, state: ResumeState, language: str
