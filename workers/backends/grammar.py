@@ -18,6 +18,7 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 from jobs.errors import InvalidRequest
 
 _CACHE_ATTRIBUTE = "_mlxq_llguidance"
+_BIT_SHIFTS = mx.arange(32, dtype=mx.uint32)  # a mask word's bit i is token 32 * word + i
 
 
 def ll_tokenizer(tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
@@ -48,5 +49,9 @@ class GrammarProcessor:
                 raise RuntimeError(f"structured output: {self.matcher.get_error()}")
         self.started = True
         fill_next_token_bitmask(self.matcher, self.bitmask)
-        allowed = np.unpackbits(self.bitmask.view(np.uint8), bitorder="little")[: logits.shape[-1]]
-        return mx.where(mx.array(allowed.astype(np.bool_)), logits, -mx.inf)
+        # The mask goes to the device packed (32 tokens a word, 6 KiB for a 49k vocabulary) and is
+        # unpacked there, rather than 49k booleans unpacked by numpy: on the H100 (1B shape) decode
+        # under a schema ran 0.83-0.97 of free decoding this way vs 0.78-0.86 (4 runs each, noisy).
+        words = mx.array(self.bitmask.reshape(-1).view(np.uint32))
+        allowed = ((words[:, None] >> _BIT_SHIFTS) & 1).reshape(-1)[: logits.shape[-1]].astype(mx.bool_)
+        return mx.where(allowed, logits, -mx.inf)
