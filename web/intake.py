@@ -146,8 +146,10 @@ def _template_call(call: dict, index: int, j: int) -> dict:
     try:
         arguments = json.loads(function["arguments"] or "{}")
     except ValueError:
+        arguments = None
+    if not isinstance(arguments, dict):
         raise APIError(400, "A tool call's arguments must be a JSON object encoded as a string.", "invalid_value",
-                       f"messages[{index}].tool_calls[{j}].function.arguments") from None
+                       f"messages[{index}].tool_calls[{j}].function.arguments")
     return {"id": call.get("id") or f"call_{index}_{j}", "type": "function",
             "function": {"name": function["name"], "arguments": arguments}}
 

@@ -145,6 +145,9 @@ def test_a_model_without_tool_support_refuses_tools(openai_client):
     ({"messages": ASK + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{city"}}]}]},
      "messages[1].tool_calls[0].function.arguments"),
+    ({"messages": ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "[1, 2]"}}]}]},
+     "messages[1].tool_calls[0].function.arguments"),
     ({"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
 ])
 def test_bad_tool_input_is_a_400_naming_the_field(openai_client, body, param):
