@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 from web.errors import APIError
-from web.tools import Tool, tool
+from web.tools import Tool, named_choice, tool
 
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 """Anthropic's tool_choice types as web.tools' modes ("tool" names a function: "function:<name>")."""
@@ -63,7 +63,7 @@ def choice_in(value) -> tuple[str, bool]:
         return CHOICES[kind], not disable
     if not isinstance(value.get("name"), str) or not value["name"]:
         raise bad("tool_choice.name", "a tool_choice of type 'tool' needs the tool's name")
-    return "function:" + value["name"], not disable
+    return named_choice(value["name"]), not disable
 
 
 def tool_call_in(block: dict, param: str) -> dict:

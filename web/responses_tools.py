@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 from web.errors import APIError
-from web.tools import Tool, tool
+from web.tools import Tool, named_choice, tool
 
 CHOICES = ("auto", "none", "required")
 
@@ -38,7 +38,7 @@ def _mode(value) -> str:
     if value is None or value in CHOICES:
         return value or "auto"
     if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("name"), str):
-        return "function:" + value["name"]
+        return named_choice(value["name"])
     raise APIError(400, "'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", "
                         "\"name\": ...}.", "invalid_value", "tool_choice")
 

@@ -97,13 +97,13 @@ def chat_choice(value) -> str:
     if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict):
         name = value["function"].get("name")
         if isinstance(name, str):
-            return _named(name)
+            return named_choice(name)
     raise APIError(400, "'tool_choice' must be 'none', 'auto', 'required' or {\"type\": \"function\", "
                         "\"function\": {\"name\": ...}}.", "invalid_value", "tool_choice")
 
 
-def _named(name: str) -> str:
-    """A named function as a choice (a prefix no keyword has)."""
+def named_choice(name: str) -> str:
+    """A named function as a choice (a prefix no keyword has): what each API's "this tool" becomes."""
     return "function:" + name
 
 

@@ -85,10 +85,7 @@ def pull_demo_tools(settings, log: Callable[[str], None]) -> ModelInfo:
     if info is not None and chat_template_of(info.path) == CHAT_TEMPLATE:
         log(f"{NAME}: already in the store")
         return info
-    text_demo = DEMO_MODELS[0]
-    text = store.store_entry(settings, text_demo.name)
-    if text is None:
-        raise StoreError(f"{NAME} is made from {text_demo.name}, which is not in the store")
+    text_demo, text = _text_demo_entry(settings, NAME)
     log(f"{NAME}: {text_demo.name} with a chat template that renders tools")
     provenance = {"source": f"built:{text.id}", "license": text_demo.license, "license_url": text_demo.license_url,
                   "upstream": f"{text_demo.upstream} (weights); tool-calling chat template by mlxq",
@@ -105,10 +102,7 @@ def pull_demo_vlm(settings, log: Callable[[str], None]) -> ModelInfo:
     if info is not None:
         log(f"{DEMO_VLM}: already in the store")
         return info
-    text_demo = DEMO_MODELS[0]
-    text = store.store_entry(settings, text_demo.name)
-    if text is None:
-        raise StoreError(f"{DEMO_VLM} is built from {text_demo.name}, which is not in the store")
+    text_demo, text = _text_demo_entry(settings, DEMO_VLM)
     from workers.importers.vlm_card import DESCRIPTION
 
     built = _cached_build(text, log)
@@ -117,6 +111,15 @@ def pull_demo_vlm(settings, log: Callable[[str], None]) -> ModelInfo:
                   "origin": "mlxq demo build: workers/importers/demo_vlm.py, synthetic shapes",
                   "description": DESCRIPTION, "toy": True}
     return import_into_store(settings, DEMO_VLM, _copy_build, built, provenance)
+
+
+def _text_demo_entry(settings, made: str) -> tuple[DemoModel, ModelInfo]:
+    """The text demo and its store entry, which the model `made` is made from (StoreError if missing)."""
+    text_demo = DEMO_MODELS[0]
+    text = store.store_entry(settings, text_demo.name)
+    if text is None:
+        raise StoreError(f"{made} is made from {text_demo.name}, which is not in the store")
+    return text_demo, text
 
 
 def build_key() -> str:

@@ -62,10 +62,7 @@ class Sequence:
 
     def _split_calls(self, text: str, finish_reason: str | None) -> tuple[str, str | None]:
         """Cut completed tool calls out of the text; a choice that ends after calls finishes "tool_calls"."""
-        text, calls = self.tools.feed(text)
-        if finish_reason:
-            rest, more = self.tools.finish()
-            text, calls = text + rest, calls + more
+        text, calls = self.tools.split(text, finish_reason is not None)
         self.tool_calls += calls
         self.pending_calls += calls
         return text, "tool_calls" if finish_reason == "stop" and self.tool_calls else finish_reason

@@ -93,10 +93,7 @@ def _stream(pieces: Iterator[textgen.Piece], job, index: int, interval: float, t
     for piece in pieces:
         text = piece.text
         if tools is not None:
-            text, new = tools.feed(text)
-            if piece.final:
-                rest, more = tools.finish()
-                text, new = text + rest, new + more
+            text, new = tools.split(text, piece.final)
             calls += new
             pending_calls += new
         parts.append(text)

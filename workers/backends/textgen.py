@@ -90,24 +90,26 @@ class StopBuffer:
             at, self.matched = min(hits, key=lambda hit: hit[0])
             released, self.pending = self.pending[:at], ""
             return released, True
-        keep = self._held_tail()
+        keep = held_tail(self.pending, self.stops)
         cut = len(self.pending) - keep
         released, self.pending = self.pending[:cut], self.pending[cut:]
         return released, False
-
-    def _held_tail(self) -> int:
-        """Length of the longest suffix of the pending text that is a proper prefix of a stop string."""
-        longest = max((len(s) for s in self.stops), default=0)
-        for size in range(min(len(self.pending), longest - 1), 0, -1):
-            tail = self.pending[-size:]
-            if any(s.startswith(tail) for s in self.stops):
-                return size
-        return 0
 
     def flush(self) -> str:
         """Release whatever is held (generation ended without a stop string)."""
         released, self.pending = self.pending, ""
         return released
+
+
+def held_tail(text: str, markers: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of one of `markers`: what must be
+    held back from a stream until the next text shows whether a marker begins there."""
+    longest = max((len(m) for m in markers), default=0)
+    for size in range(min(len(text), longest - 1), 0, -1):
+        tail = text[-size:]
+        if any(m.startswith(tail) for m in markers):
+            return size
+    return 0
 
 
 def token_budget(prompt_tokens: int, max_tokens: int, context_length: int | None) -> int:

@@ -11,6 +11,7 @@ import logging
 import secrets
 
 from jobs.errors import InvalidRequest
+from workers.backends.textgen import held_tail
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ class ToolCalls:
             if not self.in_call:
                 found = self.buffer.find(self.start)
                 if found < 0:
-                    keep = _held_tail(self.buffer, self.start)
+                    keep = held_tail(self.buffer, [self.start])
                     content.append(self.buffer[: len(self.buffer) - keep])
                     self.buffer = self.buffer[len(self.buffer) - keep:]
                     break
@@ -51,6 +52,14 @@ class ToolCalls:
             else:
                 calls.append(call)
         return "".join(content), calls
+
+    def split(self, text: str, final: bool) -> tuple[str, list[dict]]:
+        """`feed`, then `finish` when this is the generation's last text."""
+        content, calls = self.feed(text)
+        if final:
+            rest, more = self.finish()
+            content, calls = content + rest, calls + more
+        return content, calls
 
     def finish(self) -> tuple[str, list[dict]]:
         """Generation ended: a call left open (no end marker) is parsed if it can be, else released as text."""
@@ -84,10 +93,3 @@ def for_request(request, tokenizer) -> ToolCalls | None:
         raise InvalidRequest(f"model {request.model.id!r} has no tool-call parser", param="tools")
     return ToolCalls(tokenizer, request.tools)
 
-
-def _held_tail(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
-    for size in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0
