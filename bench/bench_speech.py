@@ -1,7 +1,9 @@
 """Speech benchmark, side by side in one run: mlxq async jobs vs mlx-audio direct (vs faster-whisper).
 
 Measures (1) the real-time factor (audio seconds per wall second) of a long file transcribed by
-mlx-audio's own one-pass `generate` and by the service as an async job, with the WER of each;
+mlx-audio's own one-pass `generate` and by the service as async jobs, sequential (Whisper's window
+after window) and batched (`chunking_strategy: auto`: voice activity detection, pieces decoded
+several at once), with the WER of each;
 (2) optionally faster-whisper (CTranslate2) on the same file; (3) the worker's peak memory (RSS)
 for two file lengths, which should not grow with the length; (4) how long a chat waits while a long
 transcription runs, against the same chat on an idle service and the time of one 30 s window.
@@ -278,20 +280,24 @@ class RssSampler(threading.Thread):
         return self.max_rss
 
 
-def sync_transcribe(base: str, path: Path) -> str:
+def sync_transcribe(base: str, path: Path, chunking: str | None = None) -> str:
     """A synchronous transcription (warms the Whisper model in the worker)."""
+    data = {"model": SPEECH_MODEL, **({"chunking_strategy": chunking} if chunking else {})}
     with open(path, "rb") as f:
         r = httpx.post(base + "/v1/audio/transcriptions", files={"file": (path.name, f, "audio/wav")},
-                       data={"model": SPEECH_MODEL}, timeout=600)
+                       data=data, timeout=600)
     r.raise_for_status()
     return r.json()["text"]
 
 
-def submit_job(base: str, path: Path) -> str:
+def submit_job(base: str, path: Path, chunking: str | None = None) -> str:
     """POST /v1/jobs/transcriptions (multipart, streamed from disk); return the job id."""
+    data = {"model": SPEECH_MODEL, "response_format": "verbose_json"}
+    if chunking:
+        data["chunking_strategy"] = chunking
     with open(path, "rb") as f:
         r = httpx.post(base + "/v1/jobs/transcriptions", files={"file": (path.name, f, "audio/wav")},
-                       data={"model": SPEECH_MODEL, "response_format": "verbose_json"}, timeout=600)
+                       data=data, timeout=600)
     if r.status_code != 202:
         raise RuntimeError(f"submit failed: {r.status_code} {r.text[:500]}")
     return r.json()["id"]
@@ -338,7 +344,7 @@ def chunk_times(events: list, t_start: float) -> dict:
     return {"chunk_wall_s": summary(walls[full]), "chunk_audio_s": summary(audio[full])}
 
 
-def timed_job(svc: Service, path: Path, audio_s: float) -> dict:
+def timed_job(svc: Service, path: Path, audio_s: float, chunking: str | None = None) -> dict:
     """Submit the file as an async job, follow it to the end sampling the worker's RSS; time it."""
     pid = svc.worker_pid()
     before = proc_memory_mib(pid)
@@ -346,7 +352,7 @@ def timed_job(svc: Service, path: Path, audio_s: float) -> dict:
     sampler.start()
     events: list = []
     t0 = time.perf_counter()
-    job_id = submit_job(svc.base, path)
+    job_id = submit_job(svc.base, path, chunking)
     follow_events(svc.base, job_id, events)
     wall = time.perf_counter() - t0
     max_rss = sampler.stop()
@@ -388,11 +394,11 @@ def idle_chats(base: str, model: str, k: int) -> list[float]:
         return [chat_once(client, model) for _ in range(k)]
 
 
-def busy_chats(base: str, path: Path, model: str, k: int, gap_s: float) -> dict:
+def busy_chats(base: str, path: Path, model: str, k: int, gap_s: float, chunking: str | None) -> dict:
     """K chat latencies, `gap_s` apart, while an async transcription of `path` runs; then cancel it."""
     events: list = []
     t_submit = time.perf_counter()
-    job_id = submit_job(base, path)
+    job_id = submit_job(base, path, chunking)
     follower = threading.Thread(target=follow_events, args=(base, job_id, events), daemon=True)
     follower.start()
     while not any(e["type"] == "progress" for e in events) and follower.is_alive():
@@ -442,18 +448,26 @@ def chat_section(idle: list[float], busy: dict, chunk: dict) -> dict:
 
 
 def service_phase(redis_url: str, path: Path, audio_s: float, direct_model, args) -> dict:
-    """One fresh service: direct and async-job runs interleaved `repeats` times, then chat latency."""
+    """One fresh service: direct, batched and sequential async jobs interleaved `repeats` times, then
+    chat latency during a batched job."""
     with Service(redis_url, "speech") as svc:
         sync_transcribe(svc.base, WARMUP_AUDIO)
-        direct, jobs = [], []
-        for _ in range(args.repeats):  # interleaved, so both see the same background load
-            direct.append(time_direct(direct_model, path, audio_s))
-            jobs.append(timed_job(svc, path, audio_s))
-        idle = idle_chats(svc.base, args.chat_model, args.chat_k)
-        busy = busy_chats(svc.base, path, args.chat_model, args.chat_k, args.chat_gap_s)
-    job = median_run(jobs)
-    job["memory"] = jobs[0]["memory"]  # the first job's: a fresh worker
-    return {"direct": median_run(direct), "job": job, "chat": chat_section(idle, busy, job["chunk_wall_s"])}
+        sync_transcribe(svc.base, WARMUP_AUDIO, chunking="auto")  # the batched path's first shapes
+        direct, batched, sequential = [], [], []
+        for _ in range(args.repeats):  # interleaved, so all see the same background load
+            batched.append(timed_job(svc, path, audio_s, "auto"))
+            if not args.skip_sequential:
+                sequential.append(timed_job(svc, path, audio_s))
+            if direct_model is not None:
+                direct.append(time_direct(direct_model, path, audio_s))
+        if args.chat_k:
+            idle = idle_chats(svc.base, args.chat_model, args.chat_k)
+            busy = busy_chats(svc.base, path, args.chat_model, args.chat_k, args.chat_gap_s, "auto")
+    job = median_run(batched)
+    job["memory"] = batched[0]["memory"]  # the first job's: a fresh worker
+    return {"direct": median_run(direct) if direct else None, "batched": job,
+            "sequential": median_run(sequential) if sequential else None,
+            "chat": chat_section(idle, busy, job["chunk_wall_s"]) if args.chat_k else None}
 
 
 def memory_phase(redis_url: str, minutes: float, reuse: dict | None) -> dict:
@@ -463,8 +477,15 @@ def memory_phase(redis_url: str, minutes: float, reuse: dict | None) -> dict:
     path = build(minutes)
     with Service(redis_url, f"mem{minutes:g}") as svc:
         sync_transcribe(svc.base, WARMUP_AUDIO)
-        job = timed_job(svc, path, wav_seconds(path))
+        job = timed_job(svc, path, wav_seconds(path), "auto")
     return {**job["memory"], "rtf": job["rtf"], "wer": job["wer"]}
+
+
+def ratios(phase: dict) -> dict:
+    """Real-time factor of the batched job over each other contestant's (> 1: the batched job is faster)."""
+    batched = phase["batched"]["rtf"]
+    return {f"batched_over_{name}": round(batched / phase[name]["rtf"], 3)
+            for name in ("sequential", "direct") if phase.get(name)}
 
 
 def memory_report(redis_url: str, lengths: list[float], minutes: float, rtf_job: dict, backend: str) -> dict:
@@ -484,10 +505,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--memory-minutes", default="30,120", help="file lengths for the memory test")
     parser.add_argument("--repeats", type=int, default=1,
                         help="direct/service runs, interleaved (median kept)")
-    parser.add_argument("--chat-k", type=int, default=5)
+    parser.add_argument("--chat-k", type=int, default=5, help="chats idle and during a job (0: none)")
     parser.add_argument("--chat-model", default="smollm2-135m")
     parser.add_argument("--chat-gap-s", type=float, default=1.0,
                         help="pause between chats during the transcription (0: back to back)")
+    parser.add_argument("--skip-direct", action="store_true", help="leave out mlx-audio direct")
+    parser.add_argument("--skip-sequential", action="store_true", help="leave out the sequential job")
     parser.add_argument("--faster-whisper", action="store_true",
                         help="also time faster-whisper (CTranslate2)")
     parser.add_argument("--fw-compute-types", default="int8", help="comma list: int8, float32, ...")
@@ -519,7 +542,7 @@ def main() -> None:
     audio_s = wav_seconds(path)
     report = header(path, audio_s, model_dir)
     t_start = time.perf_counter()
-    direct_model = load_direct(model_dir)
+    direct_model = None if args.skip_direct else load_direct(model_dir)
     report["float32"] = worker_float32(model_dir)
     if args.faster_whisper:
         report["faster_whisper"] = run_faster_whisper(path, audio_s, args.fw_compute_types.split(","),
@@ -527,10 +550,9 @@ def main() -> None:
     redis_url, redis_proc = start_redis()
     try:
         phase = service_phase(redis_url, path, audio_s, direct_model, args)
-        report["direct"], report["service"], report["chat"] = phase["direct"], phase["job"], phase["chat"]
-        report["ratio_service_over_direct"] = round(report["service"]["rtf"] / report["direct"]["rtf"], 3)
-        report["memory"] = memory_report(redis_url, lengths, args.minutes, report["service"],
-                                         report["backend"])
+        report.update(phase)
+        report["ratios"] = ratios(phase)
+        report["memory"] = memory_report(redis_url, lengths, args.minutes, phase["batched"], report["backend"])
     finally:
         redis_proc.stop()
     report["bench_wall_s"] = round(time.perf_counter() - t_start, 1)

@@ -24,6 +24,12 @@ DEFAULT_MAX_TOKENS = 512
 DEFAULT_SPEECH_MODEL = "whisper-tiny.en"
 """The model of a transcription request that names none (OpenAI's clients always send one)."""
 
+DEFAULT_TRANSLATION_MODEL = "whisper-base"
+"""The model of a translation request that names none: the demo model that knows languages besides English."""
+
+SPEECH_TASKS = ("transcribe", "translate")
+"""What a speech request asks: text in the spoken language, or English text (multilingual models only)."""
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -86,6 +92,7 @@ class TranscriptionRequest:
     temperature: float = 0.0
     word_timestamps: bool = False
     chunking: str | None = None  # "auto": decode only the speech a voice activity detector finds
+    task: str = "transcribe"  # one of SPEECH_TASKS: "translate" gives English text
     is_async: bool = False
     request_id: str | None = None
     attempts: int = 1  # runs started so far, this one included (a crashed run is resumed, not restarted)

@@ -43,6 +43,10 @@ class Settings:
     """Longest audio accepted for transcription, in seconds: checked from the file's header when it is
     uploaded, and enforced while the worker decodes it (a header may understate the length)."""
 
+    speech_batch: int = 0
+    """Speech pieces decoded at once when a transcription uses chunking_strategy "auto" (voice activity
+    detection); 0 picks the measured default of the platform (workers/backends/whisper_batch.py)."""
+
     body_timeout_s: float = 30.0
     """Longest wait for the next piece of a request body: a client that stops sending is answered 408."""
 

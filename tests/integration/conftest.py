@@ -117,7 +117,8 @@ def service(redis_url, models_dir):
     service_url = redis_url.rsplit("/", 1)[0] + "/1"
     redis.Redis.from_url(service_url).flushdb()
     svc = Service(service_url, models_dir, MLXQ_WEBHOOK_ALLOW_PRIVATE=1, MLXQ_WEBHOOK_SECRET="test-secret",
-                  MLXQ_BODY_TIMEOUT_S=3, MLXQ_IMAGE_FETCH_ALLOW_PRIVATE=1, MLXQ_IMAGE_FETCH_TIMEOUT_S=3).start()
+                  MLXQ_BODY_TIMEOUT_S=3, MLXQ_IMAGE_FETCH_ALLOW_PRIVATE=1, MLXQ_IMAGE_FETCH_TIMEOUT_S=3,
+                  MLXQ_SPEECH_BATCH=2).start()  # a minute of speech makes two batches: a checkpoint between them
     yield svc
     svc.stop()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.conftest import wait_until
 from tests.integration.test_transcription import long_wav, submit_job
 
@@ -16,12 +18,14 @@ def _finished(api, job: dict, timeout: float) -> dict:
                       timeout, interval=0.5, what=f"job {job['id']} to finish")
 
 
-def test_worker_killed_mid_transcription_resumes_with_the_same_text(api, service):
-    audio = long_wav(repeats=1)  # about a minute: two or three 30 s windows
-    reference = _finished(api, submit_job(api, "minute.wav", content=audio), 300)
+@pytest.mark.parametrize("chunking", [None, "auto"], ids=["sequential", "batched"])
+def test_worker_killed_mid_transcription_resumes_with_the_same_text(api, service, chunking):
+    audio = long_wav(repeats=1)  # about a minute: two or three 30 s windows (or batches of two pieces)
+    form = {"chunking_strategy": chunking} if chunking else {}
+    reference = _finished(api, submit_job(api, "minute.wav", content=audio, **form), 300)
     assert reference["status"] == "succeeded", reference
 
-    job = submit_job(api, "minute.wav", content=audio)
+    job = submit_job(api, "minute.wav", content=audio, **form)
     # Kill the worker once the first window's segments are checkpointed and published.
     wait_until(lambda: ((_record(api, job).get("progress") or {}).get("done_s") or 0) > 0, 300, interval=0.2,
                what="the first chunk to be transcribed")

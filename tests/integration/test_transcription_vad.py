@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.integration.test_transcription import SPEECH, read_sse
-from tests.workers.test_speech_vad import GAP_S, gap_file  # noqa: F401  (the file fixture)
+from tests.workers.test_speech_batched import GAP_S, gap_file  # noqa: F401  (the file fixture)
 
 MODEL = "whisper-tiny.en"
 

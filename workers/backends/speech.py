@@ -7,6 +7,7 @@ stopped) starts from the checkpoint and republishes the segments that were not y
 
 Events: `segment` {"segment": <verbose_json segment>, "words": [...] (word timestamps only)},
 `progress` {"done_s", "total_s", "percent", "eta_s"}, then `done` {"result": <verbose_json>}.
+A request with task "translate" runs the same way; its segments and result are in English.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from pathlib import Path
 
 from jobs import keys, records
 from jobs.contract import TranscriptionRequest
+from jobs.errors import InvalidRequest
 from jobs.events import SEGMENT
 from jobs.settings import Settings
 from workers import vad
 from workers.audio import probe
-from workers.backends import whisper
+from workers.backends import whisper, whisper_batch
 from workers.backends.base import Outcome
 
 
@@ -42,12 +44,17 @@ class SpeechBackend:
         state = checkpoint.resume() if request.resume else checkpoint.clear()
         options = whisper.Options(language=request.language, prompt=request.prompt,
                                   temperature=request.temperature, word_timestamps=request.word_timestamps,
-                                  max_duration_s=job.settings.max_audio_s)
+                                  max_duration_s=job.settings.max_audio_s, task=request.task)
         total_s = probe(request.audio_path, job.settings.max_audio_s)
         clock = _Clock(total_s, state.offset_s if state else 0.0)
         model = models.get(request.model).model
-        speech = vad.pieces(vad.speech_regions(request.audio_path)) if request.chunking == "auto" else None
-        chunks = whisper.transcribe_chunks(model, request.audio_path, options, state, speech)
+        check_task(model, request)
+        speech = vad.speech_pieces(request.audio_path) if request.chunking == "auto" else None
+        if speech is not None:
+            chunks = whisper_batch.transcribe_batches(model, request.audio_path, options, state, speech,
+                                                      whisper_batch.batch_size(job.settings, model))
+        else:
+            chunks = whisper.transcribe_chunks(model, request.audio_path, options, state)
         try:
             while True:
                 job.check_cancel()
@@ -56,12 +63,20 @@ class SpeechBackend:
                 job.progress(clock.progress(total_s if chunk.finished else chunk.state.offset_s))
                 if chunk.finished:
                     result = build_result(checkpoint.segments(), chunk.state.language, total_s,
-                                          request.word_timestamps)
+                                          request.word_timestamps, request.task)
                     yield Outcome({"result": result}, result=result)
                     return
                 yield
         finally:
             chunks.close()
+
+
+def check_task(model, request: TranscriptionRequest) -> None:
+    """Refuse a translation on an English-only model (the web tier refuses it first when the model's config
+    tells; this is for models whose config does not)."""
+    if request.task == "translate" and not model.is_multilingual:
+        raise InvalidRequest(f"Model '{request.model.id}' is English-only: it cannot translate. Use a "
+                             "multilingual Whisper model.", code="translation_not_supported", param="model")
 
 
 class Checkpoint:
@@ -142,9 +157,12 @@ def verbose_segment(seg: dict) -> dict:
     return {k: v for k, v in seg.items() if k != "words"}
 
 
-def build_result(segments: list[dict], language: str | None, duration_s: float, words: bool) -> dict:
+def build_result(segments: list[dict], language: str | None, duration_s: float, words: bool,
+                 task: str = "transcribe") -> dict:
     """The canonical verbose_json result from the checkpointed segments."""
-    result = {"task": "transcribe", "language": whisper.language_name(language), "duration": round(duration_s, 2),
+    # A translation's `language` is that of its text, always English, as OpenAI reports it.
+    language = "en" if task == "translate" else language
+    result = {"task": task, "language": whisper.language_name(language), "duration": round(duration_s, 2),
               "text": "".join(seg["text"] for seg in segments).strip(),
               "segments": [verbose_segment(seg) for seg in segments]}
     if words:

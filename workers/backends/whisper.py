@@ -13,9 +13,9 @@ the last kept segment ends, and the text so far is its prompt (condition_on_prev
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterator
 
 import mlx.core as mx
 import numpy as np
@@ -32,7 +32,7 @@ from mlx_audio.stt.models.whisper.timing import add_word_timestamps
 from mlx_audio.stt.models.whisper.tokenizer import LANGUAGES, TO_LANGUAGE_CODE
 
 from workers.audio import SAMPLE_RATE, AudioError, AudioReader
-from workers.backends.segments import SpeechSpans, public_segment, split_segments
+from workers.backends.segments import public_segment, split_segments
 
 LENGTH_SLACK_S = 1.0
 """How far past settings.max_audio_s decoding may go before the file is refused (rounding in headers)."""
@@ -53,6 +53,7 @@ class Options:
     temperature: float = 0.0
     word_timestamps: bool = False
     max_duration_s: float | None = None  # decoding stops with an error past this point of the file
+    task: str = "transcribe"  # or "translate": English text from speech in any language (multilingual models)
 
 
 @dataclass
@@ -120,53 +121,35 @@ def initial_state(model, options: Options) -> ResumeState:
     language = TO_LANGUAGE_CODE.get(options.language, options.language) if model.is_multilingual else "en"
     state = ResumeState(language=language)
     if options.prompt and options.prompt.strip():
-        tokenizer = model.get_tokenizer(language=language or "en", task="transcribe")
+        tokenizer = model.get_tokenizer(language=language or "en", task=options.task)
         state.prompt_tokens = tokenizer.encode(" " + options.prompt.strip())[-_PROMPT_KEEP:]
     return state
 
 
-def transcribe_chunks(model, path, options: Options, start_state: ResumeState | None = None,
-                      speech: Iterable[tuple[float, float]] | None = None) -> Iterator[ChunkResult]:
+def transcribe_chunks(model, path, options: Options, start_state: ResumeState | None = None) -> Iterator[ChunkResult]:
     """Transcribe `path` from `start_state` (None: the beginning), one window per yielded ChunkResult.
 
-    With `speech` (the (start_s, end_s) pieces a voice activity detector found, in order: workers/vad.py),
-    only those are decoded, each window ending with its piece; the silence between them is skipped."""
+    (With chunking_strategy "auto" the speech pieces are decoded in batches instead: whisper_batch.py.)"""
     state = start_state or initial_state(model, options)
-    spans = SpeechSpans(speech) if speech is not None else None
     reader = AudioReader(path, state.offset_s)
     try:
         while True:
-            span = spans.at_or_after(state.seek) if spans is not None else None
-            if spans is not None and span is None:  # no speech left
+            start = state.seek * HOP_LENGTH
+            samples = reader.read(start, N_SAMPLES)
+            check_length(options, start + len(samples))
+            if len(samples) < HOP_LENGTH:  # less than one frame left: nothing to decode here
                 yield ChunkResult([], state, True)
                 return
-            if span is not None and state.seek < span[0]:
-                state = replace(state, seek=span[0])
-            start = state.seek * HOP_LENGTH
-            end = span[1] * HOP_LENGTH if span is not None else None
-            samples = reader.read(start, N_SAMPLES if end is None else min(N_SAMPLES, end - start))
-            _check_length(options, start + len(samples))
-            if len(samples) < HOP_LENGTH:  # less than one frame left: nothing to decode here
-                if span is None:
-                    yield ChunkResult([], state, True)
-                    return
-                state = replace(state, seek=span[1])  # the rest of a piece, shorter than a frame
-                continue
-            has_more = len(samples) == N_SAMPLES if end is None else start + len(samples) < end
-            chunk = decode_window(model, samples, options, state, has_more)
-            if chunk.finished and spans is not None and spans.at_or_after(chunk.state.seek) is not None:
-                chunk = replace(chunk, finished=False)  # this piece is done; more speech follows
+            chunk = decode_window(model, samples, options, state, has_more=len(samples) == N_SAMPLES)
             yield chunk
             if chunk.finished:
                 return
             state = chunk.state
     finally:
         reader.close()
-        if spans is not None:
-            spans.close()
 
 
-def _check_length(options: Options, end_sample: int) -> None:
+def check_length(options: Options, end_sample: int) -> None:
     """Stop a file that goes on past the limit: its header, checked at upload, understated its length."""
     limit = options.max_duration_s
     if limit and end_sample / SAMPLE_RATE > limit + LENGTH_SLACK_S:
@@ -180,10 +163,10 @@ def decode_window(model, samples: np.ndarray, options: Options, state: ResumeSta
     frames = len(samples) // HOP_LENGTH
     mel = log_mel_spectrogram(mx.array(samples), n_mels=model.dims.n_mels, padding=N_SAMPLES)
     mel = pad_or_trim(mel[:frames], N_FRAMES, axis=-2).astype(model.dtype)
-    language = state.language or _detect_language(model, mel)
-    tokenizer = model.get_tokenizer(language=language, task="transcribe")
+    language = state.language or detect_language(model, mel)
+    tokenizer = model.get_tokenizer(language=language, task=options.task)
     result = _decode_with_fallback(model, mel, options, state, language)
-    if _is_silence(result):
+    if is_silence(result):
         return _advance(state, [], state.seek + frames, language, frames, has_more, result)
     segments, next_seek = split_segments(np.array(result.tokens), tokenizer, result, state.seek, frames,
                                           has_more)
@@ -214,32 +197,37 @@ def _advance(state: ResumeState, segments: list[dict], next_seek: int, language:
 def _decode_with_fallback(model, mel: mx.array, options: Options, state: ResumeState, language: str
                           ) -> DecodingResult:
     """Decode at the client's temperature, retrying hotter while the output looks degenerate."""
-    ladder = np.arange(options.temperature, 1.0 + 1e-6, _FALLBACK_STEP).round(2).tolist() or [options.temperature]
     result = None
-    for temperature in ladder:
+    for temperature in temperature_ladder(options.temperature):
         if temperature > 0:
             # Seeded by position: a window decodes the same whether or not the job was interrupted.
             mx.random.seed(state.seek)
-        decode_options = DecodingOptions(language=language, task="transcribe", temperature=temperature,
+        decode_options = DecodingOptions(language=language, task=options.task, temperature=temperature,
                                          prompt=list(state.prompt_tokens), fp16=model.dtype == mx.float16)
         result = model.decode(mel, decode_options)
-        if not _needs_fallback(result):
+        if not needs_fallback(result):
             break
     return result
 
 
-def _needs_fallback(result: DecodingResult) -> bool:
+def temperature_ladder(temperature: float) -> list[float]:
+    """The temperatures to try in turn: the client's, then hotter by steps up to 1.0 (Whisper's fallback)."""
+    return np.arange(temperature, 1.0 + 1e-6, _FALLBACK_STEP).round(2).tolist() or [temperature]
+
+
+def needs_fallback(result: DecodingResult) -> bool:
+    """Whisper's fallback rule: the text is too repetitive or too unlikely, and the window is not silence."""
     too_repetitive = result.compression_ratio > _COMPRESSION_RATIO_MAX
     unlikely = result.avg_logprob < _LOGPROB_MIN
-    return (too_repetitive or unlikely) and not _is_silence(result)
+    return (too_repetitive or unlikely) and not is_silence(result)
 
 
-def _is_silence(result: DecodingResult) -> bool:
+def is_silence(result: DecodingResult) -> bool:
     """Whisper's no-speech rule: the no-speech token is likely and the text is not."""
     return result.no_speech_prob > _NO_SPEECH_MIN and result.avg_logprob < _LOGPROB_MIN
 
 
-def _detect_language(model, mel: mx.array) -> str:
+def detect_language(model, mel: mx.array) -> str:
     """The most likely language of a window (multilingual models only)."""
     _, probs = model.detect_language(mel)
     return max(probs, key=probs.get)

@@ -1,5 +1,5 @@
-"""Transcribing only the speech a voice activity detector finds (chunking_strategy "auto"): the real
-Whisper tiny.en and the real Silero VAD on the speech fixtures with a silent minute between them."""
+"""Batched transcription of the speech a voice activity detector finds (chunking_strategy "auto"): the
+real Whisper tiny.en and the real Silero VAD, against the sequential path on the same recordings."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import wave
 import numpy as np
 import pytest
 
+from bench.make_long_audio import build, fixture_names, script_for
 from tests.conftest import REPO
 from tests.workers.test_speech import assert_timeline, model, ref, wer, worker_parts  # noqa: F401  (fixtures)
 from workers import vad
-from workers.backends import whisper
+from workers.backends import whisper, whisper_batch
 
 SPEECH = REPO / "tests" / "fixtures" / "speech"
 GAP_S = 60.0
@@ -36,11 +37,11 @@ def gap_file(tmp_path_factory):
     return path, len(garden) / 16000
 
 
-def speech_segments(model, path, start_state=None, stop_after=None) -> list[whisper.ChunkResult]:  # noqa: F811
-    """The chunks of a transcription of the detected speech (stopping after `stop_after` chunks)."""
+def speech_segments(model, path, start_state=None, stop_after=None, batch=2) -> list[whisper.ChunkResult]:  # noqa: F811
+    """The chunks of a batched transcription of the detected speech (stopping after `stop_after` chunks)."""
     chunks = []
-    for chunk in whisper.transcribe_chunks(model, path, whisper.Options(), start_state,
-                                           vad.pieces(vad.speech_regions(path))):
+    for chunk in whisper_batch.transcribe_batches(model, path, whisper.Options(), start_state,
+                                                  vad.pieces(vad.speech_regions(path)), batch):
         chunks.append(chunk)
         if stop_after and len(chunks) == stop_after:
             break
@@ -66,9 +67,10 @@ def test_the_silent_minute_is_skipped_and_the_speech_transcribed(model, gap_file
 
 def test_a_resumed_transcription_of_the_speech_gives_the_same_segments(model, gap_file):  # noqa: F811
     path, _ = gap_file
-    whole = [seg for chunk in speech_segments(model, path) for seg in chunk.segments]
-    first = speech_segments(model, path, stop_after=1)
-    rest = speech_segments(model, path, start_state=first[0].state)  # as a new worker would, after a crash
+    whole = [seg for chunk in speech_segments(model, path, batch=1) for seg in chunk.segments]
+    first = speech_segments(model, path, stop_after=1, batch=1)
+    assert not first[0].finished
+    rest = speech_segments(model, path, start_state=first[0].state, batch=1)  # as a new worker would, after a crash
     resumed = first[0].segments + [seg for chunk in rest for seg in chunk.segments]
     assert [(s["start"], s["end"], s["text"]) for s in resumed] == [(s["start"], s["end"], s["text"]) for s in whole]
 
@@ -80,3 +82,28 @@ def test_a_silent_file_gives_no_segment(model, tmp_path):  # noqa: F811
         f.writeframes(np.zeros(16000 * 20, np.int16).tobytes())
     chunks = speech_segments(model, path)
     assert len(chunks) == 1 and chunks[0].finished and chunks[0].segments == []
+
+
+@pytest.mark.timeout(900)  # ten minutes of audio: about 90 s on a 2-core CPU with OpenBLAS
+def test_ten_minutes_batched_match_the_sequential_path(model):  # noqa: F811
+    """The batched transcript of a 10-minute concatenation of the fixtures is as good as the sequential
+    path's transcript of the same recordings (each decoded window after window on its own: the long
+    file only repeats them), with timestamps in order that cover the whole file."""
+    path = build(10)
+    chunks = list(whisper_batch.transcribe_batches(model, path, whisper.Options(), None,
+                                                   vad.pieces(vad.speech_regions(path)), 8))
+    segments = [seg for chunk in chunks for seg in chunk.segments]
+    assert_timeline(segments)
+    assert chunks[-1].finished and len(chunks) >= 3
+    batched = wer(script_for(path), " ".join(seg["text"] for seg in segments))
+    names = fixture_names()
+    reference = " ".join((SPEECH / f"{name}.txt").read_text() for name in names)
+    sequential = " ".join(seg["text"] for name in names
+                          for c in whisper.transcribe_chunks(model, SPEECH / f"{name}.wav", whisper.Options())
+                          for seg in c.segments)
+    print(f"\n10-minute file: batched WER {batched:.3%} in {len(chunks)} batches; "
+          f"sequential on the recordings {wer(reference, sequential):.3%}")
+    assert batched <= wer(reference, sequential) + 0.02
+    with wave.open(str(path)) as f:
+        length_s = f.getnframes() / f.getframerate()
+    assert segments[-1]["end"] == pytest.approx(length_s, abs=3.0)
