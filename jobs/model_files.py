@@ -169,6 +169,15 @@ def vocab_size_of(config: dict) -> int | None:
     return None
 
 
+WHISPER_MULTILINGUAL_VOCAB = 51865
+"""Whisper's rule (OpenAI's and mlx-audio's): English-only vocabularies have 51864 tokens, multilingual ones more."""
+
+
+def is_multilingual(vocab_size: int | None) -> bool | None:
+    """Whether a Whisper model of this vocabulary size knows many languages (None: its config does not say)."""
+    return None if vocab_size is None else vocab_size >= WHISPER_MULTILINGUAL_VOCAB
+
+
 def quantization_of(config: dict) -> str | None:
     """Describe MLX quantization recorded in config.json (e.g. "4bit-g64"), None when unquantized."""
     quant = config.get("quantization") or config.get("quantization_config")

@@ -1,4 +1,5 @@
-"""OpenAI-compatible speech to text: POST /v1/audio/transcriptions (a sync job on `interactive`)."""
+"""OpenAI-compatible speech to text: POST /v1/audio/transcriptions and /v1/audio/translations (sync jobs on
+`interactive`). A translation is a transcription with task "translate": the same limits, formats and stream."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from flask import g
 
 from jobs import queues
 from web import intake, render
-from web.audio_schemas import TranscriptionFormSchema
+from web.audio_schemas import TranscriptionFormSchema, TranslationFormSchema
 from web.errors import APIError
 from web.jobrun import stream_response, submit, wait_for_result
 from web.jsonbody import Blueprint
@@ -18,19 +19,40 @@ from web.uploads import Upload, accepts_upload, discard, keep
 blp = Blueprint("audio", __name__, url_prefix="/v1/audio", description="OpenAI-compatible speech to text")
 
 
+def _speech_responses(view):
+    """The responses both endpoints document (the JSON body, text formats, the SSE stream)."""
+    view = blp.alt_response(200, schema=ServerSentEventSchema, content_type=SSE, success=True)(view)
+    view = blp.alt_response(200, schema={"type": "string"}, content_type=TEXT, success=True)(view)
+    return blp.response(200, TranscriptionSchema, description="`json` and `verbose_json`; `text`, `srt` and "
+                        "`vtt` come as text/plain; with `stream`, transcript.text.delta events then "
+                        "transcript.text.done")(view)
+
+
 @blp.route("/transcriptions", methods=["POST"])
 @accepts_upload
 @blp.arguments(TranscriptionFormSchema(), location="multipart")
-@blp.response(200, TranscriptionSchema, description="`json` and `verbose_json`; `text`, `srt` and `vtt` "
-              "come as text/plain; with `stream`, transcript.text.delta events then transcript.text.done")
-@blp.alt_response(200, schema={"type": "string"}, content_type=TEXT, success=True)
-@blp.alt_response(200, schema=ServerSentEventSchema, content_type=SSE, success=True)
+@_speech_responses
 def transcriptions(form):
     """Transcribe an audio file (JSON, text, srt, vtt or verbose_json; SSE text deltas when `stream`)."""
-    request, upload, audio = intake.transcription_request(form, queues.new_job_id("transcr"), is_async=False)
+    return _speech_to_text(form, "transcribe")
+
+
+@blp.route("/translations", methods=["POST"])
+@accepts_upload
+@blp.arguments(TranslationFormSchema(), location="multipart")
+@_speech_responses
+def translations(form):
+    """Translate speech in any language into English text (multilingual models; formats as transcriptions)."""
+    return _speech_to_text(form, "translate")
+
+
+def _speech_to_text(form: dict, task: str):
+    """Run one sync speech job and answer in the form's format, or stream its text."""
+    request, upload, audio = intake.transcription_request(form, queues.new_job_id("transcr"), is_async=False,
+                                                          task=task)
     meta = {"kind": "transcription", "model": request.model.id, "filename": upload.filename,
             "duration_s": round(audio.duration_s, 3), "bytes": upload.size}
-    submit(request, queues.TRANSCRIPTION, intake.describe_audio(upload, audio, request.model.id), meta=meta)
+    submit(request, queues.TRANSCRIPTION, intake.describe_audio(upload, audio, request), meta=meta)
     if form["stream"]:
         response = stream_response(request.id, render.transcript_deltas(), render.stream_error(g.request_id),
                                    trailer=None)

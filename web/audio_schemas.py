@@ -1,4 +1,4 @@
-"""Request and response schemas of the transcription endpoint and the async jobs API."""
+"""Request and response schemas of the transcription and translation endpoints and the async jobs API."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from marshmallow import (
 )
 from werkzeug.datastructures import FileStorage
 
-from jobs.contract import DEFAULT_SPEECH_MODEL
+from jobs.contract import DEFAULT_SPEECH_MODEL, DEFAULT_TRANSLATION_MODEL, SPEECH_TASKS
 from jobs.formats import FORMATS, GRANULARITIES
 from jobs.records import STATUSES
 from jobs.webhooks import UnsafeDestination, check_destination
@@ -88,11 +88,21 @@ class TranscriptionFormSchema(Schema):
         """Merge both spellings of timestamp_granularities; empty strings mean "not given"."""
         granularities = set(data.pop("timestamp_granularities")) | set(data.pop("granularities_plain"))
         data["timestamp_granularities"] = [g for g in GRANULARITIES if g in granularities] or ["segment"]
-        data["language"] = data["language"] or None
+        data["language"] = data.get("language") or None  # translations have no `language`
         data["prompt"] = data["prompt"] or None
         # OpenAI's {"type": "server_vad", ...} arrives as chunking_strategy[type]: the same detector.
         data["chunking_strategy"] = "auto" if data.pop("chunking_type") else data["chunking_strategy"]
         return data
+
+
+class TranslationFormSchema(TranscriptionFormSchema):
+    """POST /v1/audio/translations multipart form: the transcription's fields but `language` (OpenAI's
+    translations have none: the spoken language is detected, the text is English)."""
+
+    class Meta(TranscriptionFormSchema.Meta):
+        exclude = ("language",)  # sent anyway, it is ignored like any field this API does not use
+
+    model = fields.String(load_default=DEFAULT_TRANSLATION_MODEL, validate=validate.Length(min=1, max=512))
 
 
 class JobOptionsSchema(Schema):
@@ -121,6 +131,10 @@ class JobOptionsSchema(Schema):
 
 class JobTranscriptionFormSchema(TranscriptionFormSchema, JobOptionsSchema):
     """POST /v1/jobs/transcriptions form fields."""
+
+    task = fields.String(load_default="transcribe", validate=validate.OneOf(SPEECH_TASKS), metadata={
+        "description": "'translate': English text from speech in any language (multilingual models only); "
+                       "`language`, if given, names the spoken language"})
 
 
 class JobChatRequestSchema(ChatCompletionRequestSchema, JobOptionsSchema):

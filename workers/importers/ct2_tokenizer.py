@@ -6,6 +6,7 @@ import json
 import re
 from pathlib import Path
 
+from jobs.model_files import WHISPER_MULTILINGUAL_VOCAB
 from workers.importers.errors import ConversionError
 
 # Whisper's audio front end is fixed: 16 kHz, 25 ms window, 10 ms hop, 30 s chunks.
@@ -19,8 +20,7 @@ def write_json(path: Path, data: dict) -> None:
 
 def is_multilingual(n_vocab: int) -> bool:
     """Whether a Whisper vocabulary of this size is the multilingual one."""
-    # OpenAI's rule (and mlx-audio's): English-only vocabularies have 51864 tokens.
-    return n_vocab >= 51865
+    return n_vocab >= WHISPER_MULTILINGUAL_VOCAB
 
 
 def _read_vocabulary(src: Path) -> list[str] | None:

