@@ -145,13 +145,14 @@ def decode_windows(model, windows: list[Window], options: whisper.Options, state
                 continue
             found, next_seek = split_segments(np.array(result.tokens), tokenizer, result, window.start,
                                               window.frames, has_more=False)
-            found = [seg for seg in found if seg["text"].strip() and seg["end"] > seg["start"]]
+            found = [seg for seg in (_clamp(seg, window) for seg in found)
+                     if seg["text"].strip() and seg["end"] > seg["start"]]
             if options.word_timestamps and found:
                 add_word_timestamps(segments=found, model=model, tokenizer=tokenizer, mel=mel,
                                     num_frames=window.frames, last_speech_timestamp=last_speech_s)
                 words = [w for seg in found for w in seg.get("words", ())]
                 last_speech_s = words[-1]["end"] if words else last_speech_s
-            segments += [_clamp(seg, window) for seg in found]
+            segments += found
             if (window.end - next_seek) / FRAMES_PER_SECOND >= MIN_REST_S and next_seek > window.start:
                 rests.append(window.rest(next_seek))
         windows = rests
