@@ -41,7 +41,7 @@ def speech_segments(model, path, start_state=None, stop_after=None, batch=2) -> 
     """The chunks of a batched transcription of the detected speech (stopping after `stop_after` chunks)."""
     chunks = []
     for chunk in whisper_batch.transcribe_batches(model, path, whisper.Options(), start_state,
-                                                  vad.pieces(vad.speech_regions(path)), batch):
+                                                  vad.speech_pieces(path), batch):
         chunks.append(chunk)
         if stop_after and len(chunks) == stop_after:
             break
@@ -91,7 +91,7 @@ def test_ten_minutes_batched_match_the_sequential_path(model):  # noqa: F811
     file only repeats them), with timestamps in order that cover the whole file."""
     path = build(10)
     chunks = list(whisper_batch.transcribe_batches(model, path, whisper.Options(), None,
-                                                   vad.pieces(vad.speech_regions(path)), 8))
+                                                   vad.speech_pieces(path), 8))
     segments = [seg for chunk in chunks for seg in chunk.segments]
     assert_timeline(segments)
     assert chunks[-1].finished and len(chunks) >= 3

@@ -73,6 +73,11 @@ def _segment(tokens: np.ndarray, tokenizer, result: DecodingResult, seek: int, s
     }
 
 
+def spoken_segments(segments: list[dict]) -> list[dict]:
+    """The segments worth keeping: some text, and a length."""
+    return [seg for seg in segments if seg["text"].strip() and seg["end"] > seg["start"]]
+
+
 def public_segment(seg: dict) -> dict:
     """Plain JSON types, words reduced to OpenAI's {"word", "start", "end"} (trimmed)."""
     out = {k: v for k, v in seg.items() if k != "words"}

@@ -32,7 +32,7 @@ from mlx_audio.stt.models.whisper.timing import add_word_timestamps
 from mlx_audio.stt.models.whisper.tokenizer import LANGUAGES, TO_LANGUAGE_CODE
 
 from workers.audio import SAMPLE_RATE, AudioError, AudioReader
-from workers.backends.segments import public_segment, split_segments
+from workers.backends.segments import public_segment, split_segments, spoken_segments
 
 LENGTH_SLACK_S = 1.0
 """How far past settings.max_audio_s decoding may go before the file is refused (rounding in headers)."""
@@ -96,10 +96,22 @@ def load(path: Path, float32: bool = False):
 
     model = load_stt(str(path))
     # MLX has no fast float16 kernels on CPU: there, float32 is several times faster for Whisper.
-    if float32 or mx.default_device().type == mx.DeviceType.cpu:
+    if float32 or on_cpu():
         to_float32(model)
     mx.eval(model.parameters())
     return model, None
+
+
+def on_cpu() -> bool:
+    """Whether MLX computes on the CPU here (no Metal or CUDA device by default)."""
+    return mx.default_device().type == mx.DeviceType.cpu
+
+
+def window_mel(model, samples: np.ndarray) -> mx.array:
+    """The log-mel spectrogram of up to 30 s of samples, padded to Whisper's window, in the model's dtype."""
+    frames = len(samples) // HOP_LENGTH
+    mel = log_mel_spectrogram(mx.array(samples), n_mels=model.dims.n_mels, padding=N_SAMPLES)
+    return pad_or_trim(mel[:frames], N_FRAMES, axis=-2).astype(model.dtype)
 
 
 def to_float32(model) -> None:
@@ -161,8 +173,7 @@ def decode_window(model, samples: np.ndarray, options: Options, state: ResumeSta
                   ) -> ChunkResult:
     """Decode one window (up to 30 s starting at state.seek) and decide where the next one starts."""
     frames = len(samples) // HOP_LENGTH
-    mel = log_mel_spectrogram(mx.array(samples), n_mels=model.dims.n_mels, padding=N_SAMPLES)
-    mel = pad_or_trim(mel[:frames], N_FRAMES, axis=-2).astype(model.dtype)
+    mel = window_mel(model, samples)
     language = state.language or detect_language(model, mel)
     tokenizer = model.get_tokenizer(language=language, task=options.task)
     result = _decode_with_fallback(model, mel, options, state, language)
@@ -179,7 +190,7 @@ def decode_window(model, samples: np.ndarray, options: Options, state: ResumeSta
 def _advance(state: ResumeState, segments: list[dict], next_seek: int, language: str, frames: int,
              has_more: bool, result: DecodingResult) -> ChunkResult:
     """Number the kept segments and build the state the next window starts from."""
-    spoken = [seg for seg in segments if seg["text"].strip() and seg["end"] > seg["start"]]
+    spoken = spoken_segments(segments)
     for number, seg in enumerate(spoken, start=state.next_id):
         seg["id"] = number
     prompt = state.prompt_tokens + [t for seg in spoken for t in seg["tokens"]]

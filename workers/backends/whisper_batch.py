@@ -20,16 +20,19 @@ import mlx.core as mx
 import numpy as np
 from mlx_audio.stt.models.whisper.audio import (
     HOP_LENGTH,
-    N_FRAMES,
     N_SAMPLES,
-    log_mel_spectrogram,
-    pad_or_trim,
 )
 from mlx_audio.stt.models.whisper.timing import add_word_timestamps
 
 from workers.audio import AudioReader
 from workers.backends import whisper
-from workers.backends.segments import FRAMES_PER_SECOND, SpeechSpans, public_segment, split_segments
+from workers.backends.segments import (
+    FRAMES_PER_SECOND,
+    SpeechSpans,
+    public_segment,
+    split_segments,
+    spoken_segments,
+)
 from workers.backends.whisper_decoder import decode_batch
 
 CPU_BATCH, GPU_BATCH = 8, 64
@@ -78,15 +81,11 @@ def batch_size(settings, model) -> int:
     fit GPU_CACHE_BYTES of cross-attention cache for this model)."""
     if settings.speech_batch > 0:
         return settings.speech_batch
-    if _on_cpu():
+    if whisper.on_cpu():
         return CPU_BATCH
     dims = model.dims
     per_window = 2 * dims.n_text_layer * dims.n_audio_ctx * dims.n_audio_state * model.dtype.size
     return max(1, min(GPU_BATCH, GPU_CACHE_BYTES // per_window))
-
-
-def _on_cpu() -> bool:
-    return mx.default_device().type == mx.DeviceType.cpu
 
 
 class Window:
@@ -99,11 +98,6 @@ class Window:
     def frames(self) -> int:
         """Its length in mel frames."""
         return len(self.samples) // HOP_LENGTH
-
-    def mel(self, model) -> mx.array:
-        """Its log-mel spectrogram padded to Whisper's 30 s."""
-        mel = log_mel_spectrogram(mx.array(self.samples), n_mels=model.dims.n_mels, padding=N_SAMPLES)
-        return pad_or_trim(mel[:self.frames], N_FRAMES, axis=-2).astype(model.dtype)
 
     def rest(self, seek: int) -> "Window":
         """The part of this window from frame `seek` on."""
@@ -132,12 +126,12 @@ def _next_windows(spans: SpeechSpans, reader: AudioReader, options: whisper.Opti
 def decode_windows(model, windows: list[Window], options: whisper.Options, state: whisper.ResumeState
                    ) -> tuple[list[dict], str]:
     """Decode the windows together; their segments in file order, and the language they were decoded in."""
-    language = state.language or whisper.detect_language(model, windows[0].mel(model))
+    mels = [whisper.window_mel(model, window.samples) for window in windows]
+    language = state.language or whisper.detect_language(model, mels[0])
     tokenizer = model.get_tokenizer(language=language, task=options.task)
     segments: list[dict] = []
     last_speech_s = state.last_speech_s
     while windows:
-        mels = [window.mel(model) for window in windows]
         results = _decode_with_fallback(model, mx.stack(mels), tokenizer, options, state, windows[0].start)
         rests = []
         for window, mel, result in zip(windows, mels, results, strict=True):
@@ -145,8 +139,7 @@ def decode_windows(model, windows: list[Window], options: whisper.Options, state
                 continue
             found, next_seek = split_segments(np.array(result.tokens), tokenizer, result, window.start,
                                               window.frames, has_more=False)
-            found = [seg for seg in (_clamp(seg, window) for seg in found)
-                     if seg["text"].strip() and seg["end"] > seg["start"]]
+            found = spoken_segments([_clamp(seg, window) for seg in found])
             if options.word_timestamps and found:
                 add_word_timestamps(segments=found, model=model, tokenizer=tokenizer, mel=mel,
                                     num_frames=window.frames, last_speech_timestamp=last_speech_s)
@@ -156,6 +149,7 @@ def decode_windows(model, windows: list[Window], options: whisper.Options, state
             if (window.end - next_seek) / FRAMES_PER_SECOND >= MIN_REST_S and next_seek > window.start:
                 rests.append(window.rest(next_seek))
         windows = rests
+        mels = [whisper.window_mel(model, window.samples) for window in windows]
     segments.sort(key=lambda seg: seg["start"])
     return segments, language
 
@@ -170,7 +164,7 @@ def _decode_with_fallback(model, mels: mx.array, tokenizer, options: whisper.Opt
             mx.random.seed(first_frame)  # a batch decodes the same whether or not the job was interrupted
         # A CPU encodes one window at a time: batching its encoder gains nothing there (bench/NOTES.md).
         decoded = decode_batch(model, mels[mx.array(todo)], tokenizer, state.prompt_tokens, temperature,
-                               encode_batch=1 if _on_cpu() else GPU_ENCODE_BATCH)
+                               encode_batch=1 if whisper.on_cpu() else GPU_ENCODE_BATCH)
         for index, result in zip(todo, decoded, strict=True):
             results[index] = result
         todo = [index for index in todo if whisper.needs_fallback(results[index])]

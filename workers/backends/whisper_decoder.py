@@ -63,7 +63,7 @@ def decode_features(model, features: mx.array, tokenizer, prompt: list[int], tem
         if (n + 1) % CHECK_EVERY == 0 and _retire(rows, state, history, step, finished, tokenizer):
             break
         logits = step.logits(step(state.last[:, None])[:, -1])  # the rows still in the batch
-    if rows and rows[0] not in finished:  # out of room: what is left ends here
+    else:  # out of room: what is left ends here
         _retire(rows, state, history, step, finished, tokenizer, everything=True)
     no_speech = no_speech.tolist()
     return [_result(tokens, logprob_sum, no_speech[row], temperature, tokenizer)
@@ -201,7 +201,7 @@ def _choose(logits: mx.array, normaliser: mx.array, temperature: float) -> tuple
 def _retire(rows: list[int], state: _RowState, history: list[mx.array], step: _Stepper,
             finished: dict, tokenizer, everything: bool = False) -> bool:
     """Move windows that have ended (all of them with `everything`) out of the batch; True when none is left."""
-    done = np.array(state.done if not everything else mx.ones_like(state.done))
+    done = np.ones(len(rows), dtype=bool) if everything else np.array(state.done)
     if not done.any():
         return False
     tokens = np.array(mx.stack(history, axis=1)) if history else np.zeros((len(rows), 0), dtype=np.int32)
