@@ -238,12 +238,11 @@ def added_ms(samples: dict, server: str) -> dict:
 
 def reexec_with_worker_blas() -> None:
     """Run this benchmark with the BLAS the worker picks for itself (LD_PRELOAD works only at start)."""
-    from workers.platform import blas_loaded, choose_blas
+    from workers.platform import choose_blas
 
     choice = choose_blas()
-    if choice.path and not blas_loaded(choice.path) and not os.environ.get("MLXQ_BENCH_REEXEC"):
-        env = {**os.environ, "LD_PRELOAD": choice.path, "MLXQ_BENCH_REEXEC": "1"}
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    if not choice.active() and not os.environ.get("MLXQ_BENCH_REEXEC"):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**choice.env(os.environ), "MLXQ_BENCH_REEXEC": "1"})
 
 
 def other_mlxq_settings(args) -> list[dict]:

@@ -18,15 +18,14 @@ def _reexec_with_fast_blas() -> None:
     if os.environ.get(_MARK):
         return
     os.environ[_MARK] = "1"
-    from workers.platform import blas_loaded, choose_blas
+    from workers.platform import choose_blas
 
     choice = choose_blas()
-    if choice.path is None or blas_loaded(choice.path):
+    if choice.active():
         return
-    preload = ":".join(p for p in (choice.path, os.environ.get("LD_PRELOAD", "")) if p)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "pytest", *sys.argv[1:]], {**os.environ, "LD_PRELOAD": preload})
+    os.execve(sys.executable, [sys.executable, "-m", "pytest", *sys.argv[1:]], choice.env(os.environ))
 
 
 _reexec_with_fast_blas()

@@ -5,6 +5,10 @@ matmuls prompt processing is made of. We time a matmul in a subprocess without a
 installed OpenBLAS preloaded, cache the winner per machine and MLX version, and the worker re-execs
 itself with it in LD_PRELOAD (a BLAS cannot be swapped once libmlx is loaded).
 
+An OpenBLAS older than the CPU falls back to its slowest kernels (Debian 12's 0.3.21 takes a Sapphire
+Rapids Xeon for a Prescott: 26 ms for that matmul, 5-6 ms as a Cooperlake), so each one is also timed
+with OPENBLAS_CORETYPE set to each kernel set the CPU's flags allow; the winner's travels with it.
+
 On CPU, quantized matmuls never reach BLAS, so with a fast BLAS small models run faster dequantized
 to float32 (see `float32_max_mb`). On Metal and CUDA models are kept exactly as stored.
 """
@@ -36,6 +40,12 @@ DEFAULT_FLOAT32_MAX_MB = 1024
 _REEXEC_MARK = "MLXQ_BLAS_REEXEC"
 _SPEEDUP_NEEDED = 0.8  # a candidate must beat the bundled BLAS by 20% to be worth a re-exec
 
+CORETYPE_ENV = "OPENBLAS_CORETYPE"
+"""OpenBLAS's own override of its CPU detection; an operator's value is kept and timed alone."""
+
+# x86 OpenBLAS kernel sets worth timing, by the CPU flag they need (newest first).
+_CORETYPES_BY_FLAG = (("avx512_bf16", "Cooperlake"), ("avx512f", "SkylakeX"), ("avx2", "Haswell"))
+
 _MULTIARCH = f"{_platform.machine()}-linux-gnu"
 BLAS_CANDIDATES = (
     f"/usr/lib/{_MULTIARCH}/openblas-pthread/libblas.so.3",  # Debian/Ubuntu libopenblas0-pthread
@@ -66,12 +76,30 @@ class BlasChoice:
     path: str | None
     reason: str
     timings_ms: dict[str, float] = field(default_factory=dict)
+    coretype: str | None = None  # OPENBLAS_CORETYPE to run it with (None: its own detection)
 
     def describe(self) -> str:
         """One line for the log: the choice, the reason and the timings."""
         timings = ", ".join(f"{Path(k).name if k != 'bundled' else k}={v:.1f}ms" for k, v in self.timings_ms.items())
         state = "" if self.path is None or blas_loaded(self.path) else " NOT LOADED (LD_PRELOAD ignored?)"
-        return f"{self.path or 'bundled'}{state} ({self.reason}{'; ' + timings if timings else ''})"
+        core = f" as {self.coretype}" if self.coretype else ""
+        return f"{self.path or 'bundled'}{core}{state} ({self.reason}{'; ' + timings if timings else ''})"
+
+    def env(self, base: dict) -> dict:
+        """`base` with this BLAS preloaded (ahead of any other preload) and its core type set."""
+        env = dict(base)
+        if self.path:
+            env["LD_PRELOAD"] = ":".join(p for p in (self.path, base.get("LD_PRELOAD", "")) if p)
+        if self.coretype:
+            env[CORETYPE_ENV] = self.coretype
+        return env
+
+    def active(self) -> bool:
+        """Whether this process already runs with this BLAS (and core type)."""
+        if self.path is None:
+            return True
+        core_set = self.coretype is None or os.environ.get(CORETYPE_ENV) == self.coretype
+        return blas_loaded(self.path) and core_set
 
 
 @dataclass(frozen=True)
@@ -118,20 +146,39 @@ def installed_candidates() -> list[str]:
 
 
 def machine_key(candidates: list[str]) -> str:
-    """Cache key: CPU model, core count, MLX version and the candidate libraries' real files."""
+    """Cache key: CPU model, core count, MLX version, the candidate libraries' real files and core types."""
     libs = ",".join(os.path.realpath(c) for c in candidates)
-    return f"{_cpu_model()}|{os.cpu_count()}|{_platform.machine()}|mlx-{_mlx_version()}|{libs}"
+    cores = ",".join(c or "auto" for c in coretypes())
+    return f"{_cpu_model()}|{os.cpu_count()}|{_platform.machine()}|mlx-{_mlx_version()}|{libs}|{cores}"
+
+
+def coretypes() -> list[str | None]:
+    """OPENBLAS_CORETYPE values to time: OpenBLAS's own detection, then what this CPU's flags allow."""
+    if os.environ.get(CORETYPE_ENV):
+        return [os.environ[CORETYPE_ENV]]
+    flags = _cpu_flags()
+    return [None] + [core for flag, core in _CORETYPES_BY_FLAG if flag in flags]
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    return set(_cpuinfo("flags").split())
 
 
 def _cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo (Linux), else platform.processor()."""
+    return _cpuinfo("model name") or _platform.processor() or "unknown-cpu"
+
+
+def _cpuinfo(name: str) -> str:
+    """The first value of `name` in /proc/cpuinfo ("" where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(name):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return _platform.processor() or "unknown-cpu"
+    return ""
 
 
 def _mlx_version() -> str:
@@ -142,11 +189,10 @@ def _mlx_version() -> str:
         return "unknown"
 
 
-def time_matmul(preload: str | None, timeout_s: float = 120) -> float | None:
+def time_matmul(preload: str | None, timeout_s: float = 120, coretype: str | None = None) -> float | None:
     """Milliseconds for a 1500x384 @ 384x1536 float32 matmul with `preload` in LD_PRELOAD (None if it fails)."""
-    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
-    if preload:
-        env["LD_PRELOAD"] = preload
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", CORETYPE_ENV)}
+    env = BlasChoice(preload, "probe", coretype=coretype).env(env)
     try:
         out = subprocess.run([sys.executable, "-c", _MATMUL_PROBE], env=env, capture_output=True, text=True,
                              timeout=timeout_s, check=True)
@@ -155,16 +201,19 @@ def time_matmul(preload: str | None, timeout_s: float = 120) -> float | None:
         return None  # a library that crashes or cannot load MLX simply loses
 
 
-def measure_blas(candidates: list[str]) -> BlasChoice:
-    """Time the bundled BLAS and each candidate; pick the fastest if it clearly wins."""
+def measure_blas(candidates: list[str], cores: list[str | None] | None = None) -> BlasChoice:
+    """Time the bundled BLAS and each candidate under each core type; pick the fastest if it clearly wins."""
+    cores = coretypes() if cores is None else cores
+    options = {(c, core): f"{c}@{core}" if core else c for c in candidates for core in cores}
     timings = {"bundled": time_matmul(None)}
-    timings.update({c: time_matmul(c) for c in candidates})
+    timings.update({name: time_matmul(c, coretype=core) for (c, core), name in options.items()})
     timings = {k: round(v, 2) for k, v in timings.items() if v is not None}
     bundled = timings.get("bundled", float("inf"))
-    best = min((c for c in candidates if c in timings), key=timings.get, default=None)
-    if best is None or timings[best] > bundled * _SPEEDUP_NEEDED:
+    best = min((option for option, name in options.items() if name in timings),
+               key=lambda option: timings[options[option]], default=None)
+    if best is None or timings[options[best]] > bundled * _SPEEDUP_NEEDED:
         return BlasChoice(None, "measured: no faster BLAS", timings)
-    return BlasChoice(best, "measured", timings)
+    return BlasChoice(best[0], "measured", timings, coretype=best[1])
 
 
 def cached_or_measured_blas(cache: Path) -> BlasChoice:
@@ -176,10 +225,11 @@ def cached_or_measured_blas(cache: Path) -> BlasChoice:
     entries = _read_cache(cache)
     if key in entries:
         hit = entries[key]
-        return BlasChoice(hit["path"], "cached measurement", hit.get("timings_ms", {}))
+        return BlasChoice(hit["path"], "cached measurement", hit.get("timings_ms", {}), hit.get("coretype"))
     log.info("timing a matmul with the bundled BLAS and with %s (once per machine)", ", ".join(candidates))
     choice = measure_blas(candidates)
-    entries[key] = {"path": choice.path, "timings_ms": choice.timings_ms, "measured_at": int(time.time())}
+    entries[key] = {"path": choice.path, "coretype": choice.coretype, "timings_ms": choice.timings_ms,
+                    "measured_at": int(time.time())}
     _write_cache(cache, entries)
     return choice
 
@@ -218,25 +268,21 @@ def choose_blas(environ=None, device: str | None = None) -> BlasChoice:
 
 def blas_loaded(path: str) -> bool:
     """Whether the library at `path` is mapped into this process (so the preload took effect)."""
-    real = os.path.realpath(path)
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:
         return False
-    return real in maps or path in maps
+    return os.path.realpath(path) in maps or path in maps
 
 
 def reexec_with_blas(choice: BlasChoice, argv: list[str]) -> None:
     """Replace this process with `python -m workers.main argv` with the chosen BLAS preloaded.
 
-    Returns (does nothing) when no preload is wanted, it is already active, or a re-exec already
-    happened (a loader that ignores LD_PRELOAD must not make us loop).
-    """
-    if choice.path is None or blas_loaded(choice.path) or os.environ.get(_REEXEC_MARK):
+    Returns when no preload is wanted, it is active, or a re-exec already happened (no loop)."""
+    if choice.active() or os.environ.get(_REEXEC_MARK):
         return
-    preload = ":".join(p for p in (choice.path, os.environ.get("LD_PRELOAD", "")) if p)
-    env = {**os.environ, "LD_PRELOAD": preload, _REEXEC_MARK: "1"}
-    log.info("re-executing with LD_PRELOAD=%s", preload)
+    env = {**choice.env(os.environ), _REEXEC_MARK: "1"}
+    log.info("re-executing with LD_PRELOAD=%s %s=%s", env["LD_PRELOAD"], CORETYPE_ENV, env.get(CORETYPE_ENV))
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, "-m", "workers.main", *argv], env)
 

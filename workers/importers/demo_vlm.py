@@ -56,10 +56,7 @@ def build_demo_vlm(text_model_dir: Path, out_dir: Path, log: Callable[[str], Non
     log = log or (lambda message: None)
     from workers.platform import choose_blas
 
-    env = dict(os.environ)
-    blas = choose_blas().path
-    if blas:
-        env["LD_PRELOAD"] = ":".join(p for p in (blas, env.get("LD_PRELOAD", "")) if p)
+    env = choose_blas().env(os.environ)
     with tempfile.TemporaryDirectory(prefix="mlxq-demo-vlm-") as scratch:
         facts_path, errors_path = Path(scratch) / "facts.json", Path(scratch) / "stderr.txt"
         command = [sys.executable, "-m", "workers.importers.demo_vlm", str(text_model_dir), str(out_dir),
