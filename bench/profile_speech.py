@@ -19,30 +19,30 @@ from bench.make_long_audio import build, script_for  # noqa: E402
 
 
 class Timed:
-    """Wraps the batch decoder to add up encoder and decoder seconds (each waited for)."""
+    """Wraps the batch path's encoder and decoder to add up their seconds (each waited for)."""
 
     def __init__(self):
-        import mlx.core as mx
+        from workers.backends import whisper_decoder, whisper_encoder
 
-        from workers.backends import whisper_batch, whisper_decoder
-
-        self.mx, self.decoder = mx, whisper_decoder
         self.encode_s = self.decode_s = 0.0
         self.windows = 0
-        whisper_batch.decode_batch = self
+        self.encode_windows, self.decode_features = whisper_encoder.encode_windows, whisper_decoder.decode_features
+        whisper_encoder.encode_windows = self.timed_encode
+        whisper_decoder.decode_features = self.timed_decode
 
-    def __call__(self, model, mels, tokenizer, prompt, temperature=0.0, encode_batch=None):
-        mx = self.mx
+    def timed_encode(self, model, mels, at_once):
+        """encode_windows, timed (it waits for its output)."""
         t0 = time.perf_counter()
-        step = encode_batch or mels.shape[0]
-        features = mx.concatenate([model.encoder(mels[i:i + step].astype(model.dtype))
-                                   for i in range(0, mels.shape[0], step)])
-        mx.eval(features)
-        t1 = time.perf_counter()
-        results = self.decoder.decode_features(model, features, tokenizer, prompt, temperature)
-        self.encode_s += t1 - t0
-        self.decode_s += time.perf_counter() - t1
+        features = self.encode_windows(model, mels, at_once)
+        self.encode_s += time.perf_counter() - t0
         self.windows += mels.shape[0]
+        return features
+
+    def timed_decode(self, *args):
+        """decode_features, timed (it returns host-side results)."""
+        t0 = time.perf_counter()
+        results = self.decode_features(*args)
+        self.decode_s += time.perf_counter() - t0
         return results
 
 

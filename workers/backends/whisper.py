@@ -32,6 +32,7 @@ from mlx_audio.stt.models.whisper.timing import add_word_timestamps
 from mlx_audio.stt.models.whisper.tokenizer import LANGUAGES, TO_LANGUAGE_CODE
 
 from workers.audio import SAMPLE_RATE, AudioError, AudioReader
+from workers.backends import whisper_encoder
 from workers.backends.segments import public_segment, split_segments, spoken_segments
 
 LENGTH_SLACK_S = 1.0
@@ -174,9 +175,10 @@ def decode_window(model, samples: np.ndarray, options: Options, state: ResumeSta
     """Decode one window (up to 30 s starting at state.seek) and decide where the next one starts."""
     frames = len(samples) // HOP_LENGTH
     mel = window_mel(model, samples)
-    language = state.language or detect_language(model, mel)
+    features = whisper_encoder.encode(model, mel[None])[0]  # once for detection, decoding and its fallbacks
+    language = state.language or detect_language(model, features)
     tokenizer = model.get_tokenizer(language=language, task=options.task)
-    result = _decode_with_fallback(model, mel, options, state, language)
+    result = _decode_with_fallback(model, features, options, state, language)
     if is_silence(result):
         return _advance(state, [], state.seek + frames, language, frames, has_more, result)
     segments, next_seek = split_segments(np.array(result.tokens), tokenizer, result, state.seek, frames,
@@ -205,7 +207,7 @@ def _advance(state: ResumeState, segments: list[dict], next_seek: int, language:
     return ChunkResult([public_segment(seg) for seg in spoken], new_state, finished)
 
 
-def _decode_with_fallback(model, mel: mx.array, options: Options, state: ResumeState, language: str
+def _decode_with_fallback(model, features: mx.array, options: Options, state: ResumeState, language: str
                           ) -> DecodingResult:
     """Decode at the client's temperature, retrying hotter while the output looks degenerate."""
     result = None
@@ -215,7 +217,7 @@ def _decode_with_fallback(model, mel: mx.array, options: Options, state: ResumeS
             mx.random.seed(state.seek)
         decode_options = DecodingOptions(language=language, task=options.task, temperature=temperature,
                                          prompt=list(state.prompt_tokens), fp16=model.dtype == mx.float16)
-        result = model.decode(mel, decode_options)
+        result = model.decode(features, decode_options)
         if not needs_fallback(result):
             break
     return result
@@ -238,7 +240,7 @@ def is_silence(result: DecodingResult) -> bool:
     return result.no_speech_prob > _NO_SPEECH_MIN and result.avg_logprob < _LOGPROB_MIN
 
 
-def detect_language(model, mel: mx.array) -> str:
-    """The most likely language of a window (multilingual models only)."""
-    _, probs = model.detect_language(mel)
+def detect_language(model, window: mx.array) -> str:
+    """The most likely language of a window (its mel or its encoder output; multilingual models only)."""
+    _, probs = model.detect_language(window)
     return max(probs, key=probs.get)

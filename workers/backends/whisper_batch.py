@@ -25,7 +25,7 @@ from mlx_audio.stt.models.whisper.audio import (
 from mlx_audio.stt.models.whisper.timing import add_word_timestamps
 
 from workers.audio import AudioReader
-from workers.backends import whisper
+from workers.backends import whisper, whisper_decoder, whisper_encoder
 from workers.backends.segments import (
     FRAMES_PER_SECOND,
     SpeechSpans,
@@ -33,7 +33,6 @@ from workers.backends.segments import (
     split_segments,
     spoken_segments,
 )
-from workers.backends.whisper_decoder import decode_batch
 
 CPU_BATCH, GPU_BATCH = 8, 64
 """Pieces decoded at once by default (settings.speech_batch = 0), measured in bench/NOTES.md: on a CPU the
@@ -44,7 +43,7 @@ GPU_CACHE_BYTES = 2 << 30
 """At most this much for the batch's cross-attention keys and values (a large Whisper holds 30x tiny's)."""
 
 GPU_ENCODE_BATCH = 16
-"""Windows the encoder takes at once on a GPU: its attention holds a 1500 x 1500 matrix per head and window."""
+"""Windows a GPU encodes at once (a CPU one): the attention holds a 1500 x 1500 matrix per head and window."""
 
 MIN_REST_S = 0.5
 """Audio left in a piece after its text ends, below which it is not decoded again (a breath, a tail)."""
@@ -157,14 +156,14 @@ def decode_windows(model, windows: list[Window], options: whisper.Options, state
 def _decode_with_fallback(model, mels: mx.array, tokenizer, options: whisper.Options,
                           state: whisper.ResumeState, first_frame: int) -> list:
     """Decode at the client's temperature; windows whose text looks degenerate again, hotter."""
+    features = whisper_encoder.encode_windows(model, mels, 1 if whisper.on_cpu() else GPU_ENCODE_BATCH)
     results: list = [None] * mels.shape[0]
     todo = list(range(mels.shape[0]))
     for temperature in whisper.temperature_ladder(options.temperature):
         if temperature > 0:
             mx.random.seed(first_frame)  # a batch decodes the same whether or not the job was interrupted
-        # A CPU encodes one window at a time: batching its encoder gains nothing there (bench/NOTES.md).
-        decoded = decode_batch(model, mels[mx.array(todo)], tokenizer, state.prompt_tokens, temperature,
-                               encode_batch=1 if whisper.on_cpu() else GPU_ENCODE_BATCH)
+        decoded = whisper_decoder.decode_features(model, features[mx.array(todo)], tokenizer,
+                                                  state.prompt_tokens, temperature)
         for index, result in zip(todo, decoded, strict=True):
             results[index] = result
         todo = [index for index in todo if whisper.needs_fallback(results[index])]

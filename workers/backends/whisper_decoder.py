@@ -23,23 +23,9 @@ CHECK_EVERY = 8
 _MAX_INITIAL_TIMESTAMP = 50  # 1.0 s in 20 ms steps: Whisper's max_initial_timestamp
 
 
-def decode_batch(model, mels: mx.array, tokenizer, prompt: list[int], temperature: float = 0.0,
-                 encode_batch: int | None = None) -> list[DecodingResult]:
-    """Decode windows `mels` ([B, 3000, n_mels]) at once with timestamps; one DecodingResult per window.
-
-    The encoder takes `encode_batch` windows at a time (all when None): its attention holds a
-    1500 x 1500 matrix per head and window, which a CPU gains nothing from holding for many at once."""
-    step = encode_batch or mels.shape[0]
-    features = []
-    for start in range(0, mels.shape[0], step):
-        features.append(model.encoder(mels[start:start + step].astype(model.dtype)))
-        mx.eval(features[-1])
-    return decode_features(model, mx.concatenate(features), tokenizer, prompt, temperature)
-
-
 def decode_features(model, features: mx.array, tokenizer, prompt: list[int], temperature: float = 0.0
                     ) -> list[DecodingResult]:
-    """Decode already encoded windows (the encoder's output, [B, 1500, d])."""
+    """Decode encoded windows (whisper_encoder's output, [B, 1500, d]) with timestamps; one result per window."""
     n_ctx = model.dims.n_text_ctx
     initial = ([tokenizer.sot_prev] + prompt[-(n_ctx // 2 - 1):] if prompt else []) + list(tokenizer.sot_sequence)
     sot_index = initial.index(tokenizer.sot)
