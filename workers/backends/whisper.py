@@ -32,7 +32,7 @@ from mlx_audio.stt.models.whisper.timing import add_word_timestamps
 from mlx_audio.stt.models.whisper.tokenizer import LANGUAGES, TO_LANGUAGE_CODE
 
 from workers.audio import SAMPLE_RATE, AudioError, AudioReader
-from workers.backends import whisper_encoder
+from workers.backends import cpu_math, whisper_encoder
 from workers.backends.segments import public_segment, split_segments, spoken_segments
 
 LENGTH_SLACK_S = 1.0
@@ -97,15 +97,10 @@ def load(path: Path, float32: bool = False):
 
     model = load_stt(str(path))
     # MLX has no fast float16 kernels on CPU: there, float32 is several times faster for Whisper.
-    if float32 or on_cpu():
+    if float32 or cpu_math.on_cpu():
         to_float32(model)
     mx.eval(model.parameters())
     return model, None
-
-
-def on_cpu() -> bool:
-    """Whether MLX computes on the CPU here (no Metal or CUDA device by default)."""
-    return mx.default_device().type == mx.DeviceType.cpu
 
 
 def window_mel(model, samples: np.ndarray) -> mx.array:

@@ -25,7 +25,7 @@ from mlx_audio.stt.models.whisper.audio import (
 from mlx_audio.stt.models.whisper.timing import add_word_timestamps
 
 from workers.audio import AudioReader
-from workers.backends import whisper, whisper_decoder, whisper_encoder
+from workers.backends import cpu_math, whisper, whisper_decoder, whisper_encoder
 from workers.backends.segments import (
     FRAMES_PER_SECOND,
     SpeechSpans,
@@ -80,7 +80,7 @@ def batch_size(settings, model) -> int:
     fit GPU_CACHE_BYTES of cross-attention cache for this model)."""
     if settings.speech_batch > 0:
         return settings.speech_batch
-    if whisper.on_cpu():
+    if cpu_math.on_cpu():
         return CPU_BATCH
     dims = model.dims
     per_window = 2 * dims.n_text_layer * dims.n_audio_ctx * dims.n_audio_state * model.dtype.size
@@ -156,7 +156,7 @@ def decode_windows(model, windows: list[Window], options: whisper.Options, state
 def _decode_with_fallback(model, mels: mx.array, tokenizer, options: whisper.Options,
                           state: whisper.ResumeState, first_frame: int) -> list:
     """Decode at the client's temperature; windows whose text looks degenerate again, hotter."""
-    features = whisper_encoder.encode_windows(model, mels, 1 if whisper.on_cpu() else GPU_ENCODE_BATCH)
+    features = whisper_encoder.encode_windows(model, mels, 1 if cpu_math.on_cpu() else GPU_ENCODE_BATCH)
     results: list = [None] * mels.shape[0]
     todo = list(range(mels.shape[0]))
     for temperature in whisper.temperature_ladder(options.temperature):

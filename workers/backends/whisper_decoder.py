@@ -13,9 +13,10 @@ first no later than 1 s, a timestamp forced when timestamps are likelier than an
 from __future__ import annotations
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 from mlx_audio.stt.models.whisper.decoding import DecodingResult, compression_ratio, get_suppress_tokens
+
+from workers.backends import cpu_math
 
 CHECK_EVERY = 8
 """Steps between looks at which windows have finished (each look waits for the device)."""
@@ -81,14 +82,14 @@ class _Stepper:
                 k = mx.concatenate([self.cache[i][0], k], axis=2)
                 v = mx.concatenate([self.cache[i][1], v], axis=2)
             cache.append((k, v))
-            mask = "causal" if length > 1 else None
-            x = x + block.attn.out(self._merge(mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale,
-                                                                                      mask=mask)))
+            if length > 1:  # the prompt, causally
+                y = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask="causal")
+            else:
+                y = cpu_math.attention(q, k, v, self.scale)
+            x = x + block.attn.out(self._merge(y))
             q = self._split(block.cross_attn.query(block.cross_attn_ln(x)))
-            ck, cv = self.cross[i]
-            x = x + block.cross_attn.out(self._merge(mx.fast.scaled_dot_product_attention(q, ck, cv,
-                                                                                            scale=self.scale)))
-            x = x + block.mlp2(nn.gelu(block.mlp1(block.mlp_ln(x))))
+            x = x + block.cross_attn.out(self._merge(cpu_math.attention(q, *self.cross[i], self.scale)))
+            x = x + block.mlp2(cpu_math.gelu(block.mlp1(block.mlp_ln(x))))
         self.cache, self.offset = cache, self.offset + length
         return decoder.ln(x)
 
@@ -155,7 +156,7 @@ class _Rules:
         """Logits with forbidden tokens at -inf for each window after `sampled` tokens, and their logsumexp."""
         if sampled == 0:
             logits = mx.where(self.first, -mx.inf, logits)
-            return logits, mx.logsumexp(logits, axis=-1)
+            return logits, cpu_math.logsumexp(logits)
         last_ts = state.last >= self.begin
         penultimate_ts = (state.penultimate >= self.begin) if sampled >= 2 else mx.ones_like(last_ts)
         # After a pair (or at the start) text must follow; after a lone timestamp, a timestamp or the end.
@@ -168,9 +169,9 @@ class _Rules:
         logits = mx.where(forbid | self.suppressed, -mx.inf, logits)
         # When the timestamps together are likelier than any single word, a timestamp comes next. (Compared
         # as logits: both sides share the normaliser, whose exp over the whole vocabulary costs the most.)
-        timestamp = mx.logsumexp(logits[:, self.begin:], axis=-1)
+        timestamp = cpu_math.logsumexp(logits[:, self.begin:])
         forced = timestamp > mx.max(logits[:, :self.begin], axis=-1)
-        normaliser = mx.where(forced, timestamp, mx.logsumexp(logits, axis=-1))
+        normaliser = mx.where(forced, timestamp, cpu_math.logsumexp(logits))
         return mx.where(forced[:, None] & ~self.is_timestamp, -mx.inf, logits), normaliser
 
 

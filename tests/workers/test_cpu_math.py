@@ -1,0 +1,63 @@
+"""cpu_math (exp, attention, logsumexp and GELU as fused polynomials) against MLX's own ops, and the
+CPU encoder and decoder built on them against mlx-audio's, on real Whisper tiny.en."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from tests.workers.test_speech import model, ref, worker_parts  # noqa: F401  (fixtures)
+from tests.workers.test_speech_batched import samples_of
+from workers.backends import cpu_math, whisper, whisper_decoder, whisper_encoder
+
+pytestmark = pytest.mark.skipif(not cpu_math.on_cpu(), reason="the polynomial path runs on a CPU only")
+
+
+def test_exp_and_gelu_stay_close_to_the_exact_functions():
+    scores = mx.array(np.linspace(-120, 0, 100_001, dtype=np.float32))
+    got = np.array(cpu_math.exp_below_max(scores, mx.array(0.0)), dtype=np.float64)
+    exact = np.exp(np.array(scores, dtype=np.float64))
+    assert np.all(np.abs(got - exact) <= 1e-4 * exact + 1e-30)
+    x = mx.array(np.linspace(-10, 10, 100_001, dtype=np.float32))
+    exact_gelu = np.array([v * 0.5 * (1 + math.erf(v / math.sqrt(2))) for v in np.array(x, dtype=np.float64)])
+    assert np.abs(np.array(cpu_math.gelu(x)) - exact_gelu).max() < 1e-5
+    assert np.abs(np.array(cpu_math.gelu(x)) - np.array(nn.gelu(x))).max() < 1e-5
+
+
+def test_attention_and_logsumexp_match_mlx():
+    mx.random.seed(0)
+    q, k, v = (mx.random.normal((2, 6, n, 64)) for n in (5, 300, 300))
+    theirs = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125)
+    assert float(mx.abs(cpu_math.attention(q, k, v, 0.125) - theirs).max()) < 1e-4
+    logits = mx.random.normal((3, 51864)) * 8
+    logits = mx.where(mx.arange(51864) % 7 == 0, -mx.inf, logits)  # forbidden tokens, as the rules make them
+    assert float(mx.abs(cpu_math.logsumexp(logits) - mx.logsumexp(logits, axis=-1)).max()) < 1e-4
+    nothing = mx.full((2, 10), -mx.inf)  # a row where everything is forbidden
+    assert cpu_math.logsumexp(nothing).tolist() == [-math.inf, -math.inf]
+
+
+@pytest.mark.parametrize("name", ["garden", "numbers"])
+def test_the_encoder_gives_mlx_audios_features_and_transcript(model, name):  # noqa: F811
+    mel = whisper.window_mel(model, samples_of(name))[None]
+    ours, theirs = whisper_encoder.encode(model, mel), model.encoder(mel)
+    assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
+    difference = float(mx.abs(ours - theirs).max())
+    assert difference < 0.01 * float(mx.abs(theirs).max()), difference
+    # Same tokens through mlx-audio's decoder from either encoder's output, and through ours.
+    options = whisper.DecodingOptions(language="en", temperature=0.0, fp16=False)
+    expected = model.decode(theirs[0], options).tokens
+    assert model.decode(ours[0], options).tokens == expected
+    tokenizer = model.get_tokenizer(language="en", task="transcribe")
+    assert whisper_decoder.decode_features(model, ours, tokenizer, [])[0].tokens == expected
+
+
+def test_windows_encoded_in_groups_equal_each_alone(model):  # noqa: F811
+    mels = mx.stack([whisper.window_mel(model, samples_of(name)) for name in ("garden", "numbers", "garden")])
+    grouped = whisper_encoder.encode_windows(model, mels, 2)
+    alone = mx.concatenate([whisper_encoder.encode(model, mels[i:i + 1]) for i in range(3)])
+    assert grouped.shape == (3, 1500, model.dims.n_audio_state)
+    assert float(mx.abs(grouped - alone).max()) < 1e-3
