@@ -14,7 +14,7 @@ from tests.workers.test_speech import model, ref, worker_parts  # noqa: F401  (f
 from tests.workers.test_speech_batched import samples_of
 from workers.backends import cpu_math, whisper, whisper_decoder, whisper_encoder
 
-pytestmark = pytest.mark.skipif(not cpu_math.on_cpu(), reason="the polynomial path runs on a CPU only")
+pytestmark = pytest.mark.skipif(not cpu_math.polynomials(), reason="the polynomials run on a CPU with g++ only")
 
 
 def test_exp_and_gelu_stay_close_to_the_exact_functions():
@@ -61,3 +61,21 @@ def test_windows_encoded_in_groups_equal_each_alone(model):  # noqa: F811
     alone = mx.concatenate([whisper_encoder.encode(model, mels[i:i + 1]) for i in range(3)])
     assert grouped.shape == (3, 1500, model.dims.n_audio_state)
     assert float(mx.abs(grouped - alone).max()) < 1e-3
+
+
+def test_without_a_compiler_mlxs_own_ops_are_used(monkeypatch, tmp_path):
+    # MLX fuses CPU kernels with g++: without it the polynomials would run op by op, slower than mx.exp.
+    monkeypatch.setenv("PATH", str(tmp_path))
+    cpu_math._can_fuse.cache_clear()
+    try:
+        assert not cpu_math.polynomials()
+        q, k, v = (mx.random.normal((1, 6, n, 64)) for n in (3, 40, 40))
+        expected = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125)
+        assert mx.array_equal(cpu_math.attention(q, k, v, 0.125), expected)
+        x = mx.random.normal((2, 100))
+        assert mx.array_equal(cpu_math.gelu(x), nn.gelu(x))
+        assert mx.array_equal(cpu_math.logsumexp(x), mx.logsumexp(x, axis=-1))
+    finally:
+        monkeypatch.undo()
+        cpu_math._can_fuse.cache_clear()
+    assert cpu_math.polynomials()

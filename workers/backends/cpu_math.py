@@ -5,15 +5,22 @@ MLX's CPU backend computes exp and erf one element at a time with no vector inst
 exponentiate on the project's 2-core machine, where numpy takes 8-14 ms; a `mx.compile`d `mx.exp`
 is no faster. Written as polynomials of multiplies and adds, which `mx.compile` fuses into one
 loop, they take 52-62 ms (exp) and 13 ms (GELU on 1500 x 1536, against 89 ms): bench/NOTES.md.
-On a GPU each function here is MLX's own op, which is fast there.
+On a GPU each function here is MLX's own op, which is fast there, and so it is on a CPU where MLX cannot
+fuse: it builds its CPU kernels with g++ at run time, and without one the polynomials run op by op,
+slower than MLX's exp (390-430 ms against 270).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
+import shutil
 
 import mlx.core as mx
 import mlx.nn as nn
+
+log = logging.getLogger(__name__)
 
 _EXP_SQUARINGS = 10
 """exp(x) = exp(x / 2^10)^(2^10): the polynomial only has to be right on [-0.09, 0]."""
@@ -33,9 +40,23 @@ def on_cpu() -> bool:
     return mx.default_device().type == mx.DeviceType.cpu
 
 
+def polynomials() -> bool:
+    """Whether the polynomials pay here: on a CPU, with the compiler MLX fuses CPU kernels with."""
+    return on_cpu() and _can_fuse()
+
+
+@functools.cache
+def _can_fuse() -> bool:
+    """Whether MLX can build fused CPU kernels (it runs g++, which a slim container may lack)."""
+    if shutil.which("g++"):
+        return True
+    log.warning("no g++ on PATH: MLX cannot fuse CPU kernels, so Whisper uses MLX's own (slower) exp and erf")
+    return False
+
+
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
     """softmax(q k^T * scale) v for heads laid out [B, heads, length, dim] (no mask)."""
-    if not on_cpu():
+    if not polynomials():
         return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
     scores = (q * scale) @ k.swapaxes(-1, -2)
     weights = exp_below_max(scores, scores.max(axis=-1, keepdims=True))
@@ -45,7 +66,7 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
 
 def logsumexp(x: mx.array) -> mx.array:
     """log(sum(exp(x))) over the last axis."""
-    if not on_cpu():
+    if not polynomials():
         return mx.logsumexp(x, axis=-1)
     top = x.max(axis=-1, keepdims=True)
     empty = top == -mx.inf  # a row with nothing allowed in it
@@ -55,7 +76,7 @@ def logsumexp(x: mx.array) -> mx.array:
 
 def gelu(x: mx.array) -> mx.array:
     """GELU (the exact one, with erf)."""
-    return _gelu_polynomial(x) if on_cpu() else nn.gelu(x)
+    return _gelu_polynomial(x) if polynomials() else nn.gelu(x)
 
 
 @mx.compile

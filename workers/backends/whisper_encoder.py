@@ -23,7 +23,7 @@ def encode_windows(model, mels: mx.array, at_once: int) -> mx.array:
 def encode(model, mels: mx.array) -> mx.array:
     """The encoder's output ([B, 1500, d]) for log-mel windows ([B, 3000, n_mels])."""
     mels = mels.astype(model.dtype)
-    if not cpu_math.on_cpu():
+    if not cpu_math.polynomials():
         return model.encoder(mels)
     encoder = model.encoder
     x = cpu_math.gelu(encoder.conv1(mels))
