@@ -95,11 +95,6 @@ def test_ten_minutes_batched_match_the_sequential_path(model):  # noqa: F811
     segments = [seg for chunk in chunks for seg in chunk.segments]
     assert_timeline(segments)
     assert chunks[-1].finished and len(chunks) >= 3
-    # The first batch holds the first two minutes' pieces, not 8 pieces (~3.5 minutes here), and each
-    # next one reaches at most twice as far (a piece that starts before the limit may run 30 s past it).
-    ends = [chunk.state.seek / 100 for chunk in chunks]
-    assert ends[0] <= whisper_batch.FIRST_SPAN_S + 30
-    assert all(end <= max(2 * start, whisper_batch.FIRST_SPAN_S) + 30 for start, end in zip(ends, ends[1:]))
     batched = wer(script_for(path), " ".join(seg["text"] for seg in segments))
     names = fixture_names()
     reference = " ".join((SPEECH / f"{name}.txt").read_text() for name in names)

@@ -45,12 +45,6 @@ GPU_CACHE_BYTES = 2 << 30
 GPU_ENCODE_BATCH = 16
 """Windows a GPU encodes at once (a CPU one): the attention holds a 1500 x 1500 matrix per head and window."""
 
-FIRST_SPAN_S = 120.0
-"""A batch takes pieces that start before max(this, twice its first frame): decoding starts once the
-detector has heard two minutes rather than found `batch_size` pieces, and goes on while it reads the rest
-(on the H100 a 30-minute job waited 6.6 of its 6.9 s for 64 pieces). Set by position, so a resumed job
-cuts the same batches."""
-
 MIN_REST_S = 0.5
 """Audio left in a piece after its text ends, below which it is not decoded again (a breath, a tail)."""
 
@@ -111,16 +105,13 @@ class Window:
 
 def _next_windows(spans: SpeechSpans, reader: AudioReader, options: whisper.Options, seek: int, count: int
                   ) -> list[Window]:
-    """Up to `count` speech pieces from frame `seek` on, read from the file (see FIRST_SPAN_S)."""
+    """Up to `count` speech pieces from frame `seek` on, read from the file."""
     windows = []
-    before = max(2 * seek, round(FIRST_SPAN_S * FRAMES_PER_SECOND))
     while len(windows) < count:
         span = spans.at_or_after(seek)
         if span is None:
             break
         start = max(seek, span[0])
-        if windows and start >= before:
-            break
         samples = reader.read(start * HOP_LENGTH, min(N_SAMPLES, (span[1] - start) * HOP_LENGTH))
         whisper.check_length(options, start * HOP_LENGTH + len(samples))
         if len(samples) < HOP_LENGTH:  # less than a frame left of this piece (or of the file): nothing to decode
