@@ -235,7 +235,7 @@ def is_silence(result: DecodingResult) -> bool:
     return result.no_speech_prob > _NO_SPEECH_MIN and result.avg_logprob < _LOGPROB_MIN
 
 
-def detect_language(model, window: mx.array) -> str:
-    """The most likely language of a window (its mel or its encoder output; multilingual models only)."""
-    _, probs = model.detect_language(window)
+def detect_language(model, features: mx.array) -> str:
+    """The most likely language of a window, from its encoder output (multilingual models only)."""
+    _, probs = model.detect_language(features)
     return max(probs, key=probs.get)

@@ -126,12 +126,13 @@ def decode_windows(model, windows: list[Window], options: whisper.Options, state
                    ) -> tuple[list[dict], str]:
     """Decode the windows together; their segments in file order, and the language they were decoded in."""
     mels = [whisper.window_mel(model, window.samples) for window in windows]
-    language = state.language or whisper.detect_language(model, mels[0])
+    features = _encode(model, mels)
+    language = state.language or whisper.detect_language(model, features[0])
     tokenizer = model.get_tokenizer(language=language, task=options.task)
     segments: list[dict] = []
     last_speech_s = state.last_speech_s
     while windows:
-        results = _decode_with_fallback(model, mx.stack(mels), tokenizer, options, state, windows[0].start)
+        results = _decode_with_fallback(model, features, tokenizer, options, state, windows[0].start)
         rests = []
         for window, mel, result in zip(windows, mels, results, strict=True):
             if whisper.is_silence(result):
@@ -149,16 +150,21 @@ def decode_windows(model, windows: list[Window], options: whisper.Options, state
                 rests.append(window.rest(next_seek))
         windows = rests
         mels = [whisper.window_mel(model, window.samples) for window in windows]
+        features = _encode(model, mels) if windows else None
     segments.sort(key=lambda seg: seg["start"])
     return segments, language
 
 
-def _decode_with_fallback(model, mels: mx.array, tokenizer, options: whisper.Options,
+def _encode(model, mels: list[mx.array]) -> mx.array:
+    """The encoder's output for the windows' log-mels, once for language detection, decoding and fallback."""
+    return whisper_encoder.encode_windows(model, mx.stack(mels), 1 if cpu_math.on_cpu() else GPU_ENCODE_BATCH)
+
+
+def _decode_with_fallback(model, features: mx.array, tokenizer, options: whisper.Options,
                           state: whisper.ResumeState, first_frame: int) -> list:
-    """Decode at the client's temperature; windows whose text looks degenerate again, hotter."""
-    features = whisper_encoder.encode_windows(model, mels, 1 if cpu_math.on_cpu() else GPU_ENCODE_BATCH)
-    results: list = [None] * mels.shape[0]
-    todo = list(range(mels.shape[0]))
+    """Decode encoded windows at the client's temperature; those whose text looks degenerate again, hotter."""
+    results: list = [None] * features.shape[0]
+    todo = list(range(features.shape[0]))
     for temperature in whisper.temperature_ladder(options.temperature):
         if temperature > 0:
             mx.random.seed(first_frame)  # a batch decodes the same whether or not the job was interrupted
