@@ -93,10 +93,11 @@ def declared_duration(container, stream) -> float | None:
     return None
 
 
-def open_container(path: Path):
-    """Open a container; a file FFmpeg cannot open is corrupt audio if it looks like audio, else not audio."""
+def open_container(path: Path, format: str | None = None, options: dict[str, str] | None = None):
+    """Open a container (with FFmpeg's `format` and demuxer `options`, if given); a file FFmpeg cannot open is
+    corrupt audio if it looks like audio, else not audio."""
     try:
-        return av.open(str(path), metadata_errors="ignore")
+        return av.open(str(path), format=format, options=options or {}, metadata_errors="ignore")
     except av.error.FileNotFoundError:
         raise
     except av.FFmpegError as exc:
