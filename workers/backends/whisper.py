@@ -106,6 +106,10 @@ def load(path: Path, float32: bool = False):
 def window_mel(model, samples: np.ndarray) -> mx.array:
     """The log-mel spectrogram of up to 30 s of samples, padded to Whisper's window, in the model's dtype."""
     frames = len(samples) // HOP_LENGTH
+    # Zeros to a whole window first, then Whisper's 30 s of padding: the same frames as padding the samples
+    # alone (a frame sees 200 samples either side), but every window's FFT has one shape. On a GPU each length
+    # would get a cuFFT plan of its own (MLX keeps 128; speech pieces come in every length).
+    samples = np.pad(samples, (0, max(0, N_SAMPLES - len(samples))))
     mel = log_mel_spectrogram(mx.array(samples), n_mels=model.dims.n_mels, padding=N_SAMPLES)
     return pad_or_trim(mel[:frames], N_FRAMES, axis=-2).astype(model.dtype)
 
