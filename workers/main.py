@@ -29,7 +29,7 @@ from jobs.lifecycle import liveness_value
 from jobs.queues import worker_queue_names
 from jobs.settings import Settings, load_settings
 from jobs.store import ModelNotFound, resolve
-from workers import platform, rqjobs, worker_metrics
+from workers import platform, process_setup, rqjobs, worker_metrics
 from workers.backends.control import public_models
 from workers.recovery import clean_spool, recover
 
@@ -215,6 +215,7 @@ def apply_platform_choice(argv: list[str]) -> platform.PlatformInfo:
 def main(argv: list[str] | None = None) -> int:
     """Run the worker until SIGTERM/SIGINT (or, with --burst, until the queues are empty)."""
     signal.signal(signal.SIGTERM, _exit_before_work)  # until the scheduler's loop takes over
+    process_setup.apply()  # before MLX loads
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     configure_logging()
