@@ -1,7 +1,7 @@
 """Where a batched transcription's time goes, in-process: the voice activity detector, the encoder, the
 decoder, per batch size (no service around it).
 
-    python bench/profile_speech.py [--minutes 30] [--batches 8,16,32] [--model whisper-tiny.en] [--rss]
+    python bench/profile_speech.py [--minutes 30] [--batches 8,16,32] [--model whisper-tiny.en] [--rss [--trace]]
 
 With --rss, a line per batch of pieces too: the process's resident memory and MLX's active and cached
 memory after it (what grows over a long file).
@@ -14,6 +14,7 @@ import ctypes
 import json
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,14 +52,33 @@ class Timed:
 
 
 def memory_mib() -> dict:
-    """Resident memory of this process and MLX's active and cached memory, in MiB."""
+    """Resident memory of this process (all of it, its peak, and the malloc heap's part), Python's traced memory
+    (with --trace) and MLX's active and cached memory, in MiB."""
     import mlx.core as mx
 
     status = Path("/proc/self/status").read_text()
     rss_kib, peak_kib = (int(next(line.split()[1] for line in status.splitlines() if line.startswith(name)))
                          for name in ("VmRSS", "VmHWM"))
-    return {"rss_mib": round(rss_kib / 1024, 1), "peak_mib": round(peak_kib / 1024, 1), "mlx_active_mib": round(mx.get_active_memory() / 2**20, 1),
+    found = {"rss_mib": round(rss_kib / 1024, 1), "peak_mib": round(peak_kib / 1024, 1),
+             "heap_mib": round(_heap_kib() / 1024, 1)}
+    if tracemalloc.is_tracing():
+        current, peak = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        found.update(python_mib=round(current / 2**20, 1), python_peak_mib=round(peak / 2**20, 1))
+    return {**found, "mlx_active_mib": round(mx.get_active_memory() / 2**20, 1),
             "mlx_cache_mib": round(mx.get_cache_memory() / 2**20, 1)}
+
+
+def _heap_kib() -> int:
+    """Resident KiB of the [heap] mapping: what glibc's main malloc arena holds (not mmap'd blocks, not threads')."""
+    mapping, total = None, 0
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and not fields[0].endswith(":"):
+            mapping = fields[5] if len(fields) > 5 else None
+        elif fields and fields[0] == "Rss:" and mapping == "[heap]":
+            total += int(fields[1])
+    return total
 
 
 def main() -> None:
@@ -69,7 +89,10 @@ def main() -> None:
     parser.add_argument("--model", default="whisper-tiny.en")
     parser.add_argument("--rss", action="store_true", help="a memory line after every batch of pieces")
     parser.add_argument("--trim", action="store_true", help="glibc malloc_trim(0) after every batch (experiment)")
+    parser.add_argument("--trace", action="store_true", help="with --rss: Python's own allocations too (tracemalloc; slower)")
     args = parser.parse_args()
+    if args.trace:
+        tracemalloc.start()
     from jobs.settings import load_settings
     from jobs.store import resolve
     from workers import vad
