@@ -93,6 +93,7 @@ class TranscriptionRequest:
     word_timestamps: bool = False
     chunking: str | None = None  # "auto": decode only the speech a voice activity detector finds
     task: str = "transcribe"  # one of SPEECH_TASKS: "translate" gives English text
+    logprobs: bool = False  # include[]=logprobs: the text tokens' log-probabilities in the result
     is_async: bool = False
     request_id: str | None = None
     attempts: int = 1  # runs started so far, this one included (a crashed run is resumed, not restarted)

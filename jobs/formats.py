@@ -2,8 +2,9 @@
 
 The canonical result is OpenAI's `verbose_json`: {"task", "language", "duration", "text",
 "segments": [{"id", "seek", "start", "end", "text", "tokens", "temperature", "avg_logprob",
-"compression_ratio", "no_speech_prob"}], "words": [{"word", "start", "end"}]} where `words`
-is present only when word timestamps were asked for. Everything else is derived from it.
+"compression_ratio", "no_speech_prob"}], "words": [{"word", "start", "end"}], "logprobs": [{"token",
+"logprob", "bytes"}]} where `words` is present only when word timestamps were asked for, and `logprobs`
+only with include[]=logprobs. Everything else is derived from it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ VTT_MIMETYPE = "text/vtt; charset=utf-8"
 def render(result: dict, fmt: str, granularities=("segment",)) -> tuple[str | dict, str]:
     """Return (body, mimetype) for `result` in format `fmt`; a dict body is to be sent as JSON."""
     if fmt == "json":
-        return {"text": result["text"]}, JSON_MIMETYPE
+        return {"text": result["text"], **_logprobs(result)}, JSON_MIMETYPE
     if fmt == "text":
         return result["text"] + "\n", TEXT_MIMETYPE
     if fmt == "srt":
@@ -41,7 +42,12 @@ def verbose(result: dict, granularities=("segment",)) -> dict:
         body["segments"] = result["segments"]
     if "word" in granularities:
         body["words"] = result.get("words") or []
-    return body
+    return {**body, **_logprobs(result)}
+
+
+def _logprobs(result: dict) -> dict:
+    """The text tokens' log-probabilities, where the transcription was asked for them (include[]=logprobs)."""
+    return {"logprobs": result["logprobs"]} if "logprobs" in result else {}
 
 
 def srt_time(seconds: float) -> str:

@@ -24,6 +24,12 @@ from web.services import services
 
 MAX_METADATA_KEYS = 16
 
+INCLUDES = ("logprobs",)
+"""The `include[]` values speech to text accepts."""
+
+PLAIN_FORMATS = ("text", "srt", "vtt")
+"""Response formats with no room for token log-probabilities."""
+
 
 class Metadata(fields.Field):
     """A flat JSON object of at most 16 keys (a JSON string in multipart forms, an object in JSON)."""
@@ -63,7 +69,7 @@ class TranscriptionFormSchema(Schema):
     """POST /v1/audio/transcriptions multipart form (OpenAI's names): the file and its options."""
 
     class Meta:
-        unknown = EXCLUDE  # OpenAI fields we do not use (include[], server_vad's tuning...) are ignored
+        unknown = EXCLUDE  # OpenAI fields we do not use (server_vad's tuning...) are ignored
 
     file = FilePart(required=True, metadata={"type": "string", "format": "binary",
                                              "description": "The audio file (wav, mp3, ogg, flac, m4a, ...)"})
@@ -82,6 +88,12 @@ class TranscriptionFormSchema(Schema):
         "description": "'auto': decode only the speech a voice activity detector finds (Silero VAD)"})
     chunking_type = fields.String(load_default=None, data_key="chunking_strategy[type]",
                                   validate=validate.OneOf(["server_vad"]))
+    include = fields.List(fields.String(validate=validate.OneOf(INCLUDES)), data_key="include[]",
+                          load_default=list, metadata={
+                              "description": "'logprobs': each text token's log-probability, in the `json` and "
+                                             "`verbose_json` bodies and the stream's events"})
+    include_plain = fields.List(fields.String(validate=validate.OneOf(INCLUDES)), data_key="include",
+                                load_default=list)
 
     @post_load
     def _normalise(self, data, **kwargs):
@@ -92,7 +104,16 @@ class TranscriptionFormSchema(Schema):
         data["prompt"] = data["prompt"] or None
         # OpenAI's {"type": "server_vad", ...} arrives as chunking_strategy[type]: the same detector.
         data["chunking_strategy"] = "auto" if data.pop("chunking_type") else data["chunking_strategy"]
+        data["logprobs"] = "logprobs" in set(data.pop("include")) | set(data.pop("include_plain"))
         return data
+
+    @validates_schema
+    def _logprobs_need_json(self, data, **kwargs):
+        """Token log-probabilities have no place in text, srt or vtt (OpenAI: `json` only; here verbose_json too)."""
+        asked = "logprobs" in set(data.get("include", ())) | set(data.get("include_plain", ()))
+        if asked and data.get("response_format") in PLAIN_FORMATS and not data.get("stream"):
+            raise ValidationError("'logprobs' needs response_format json or verbose_json (or stream)",
+                                  field_name="include[]")
 
 
 class TranslationFormSchema(TranscriptionFormSchema):

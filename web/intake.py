@@ -221,7 +221,7 @@ def transcription_request(form: dict, job_id: str, is_async: bool, task: str = "
         job_id, model_ref(info), str(upload.path), upload.filename, language=form.get("language"),
         prompt=form["prompt"], temperature=form["temperature"],
         word_timestamps="word" in form["timestamp_granularities"], chunking=form["chunking_strategy"],
-        task=task, is_async=is_async, request_id=g.request_id,
+        task=task, logprobs=form["logprobs"], is_async=is_async, request_id=g.request_id,
     )
     return request, upload, audio
 

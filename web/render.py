@@ -126,7 +126,8 @@ def completion_chunks(job_id: str, model: str, created: int, include_usage: bool
 
 
 def transcript_deltas():
-    """A renderer of transcription events as `transcript.text.delta` / `transcript.text.done` frames."""
+    """A renderer of transcription events as `transcript.text.delta` / `transcript.text.done` frames (each
+    with its tokens' `logprobs` when include[]=logprobs asked for them)."""
     state = {"started": False}
 
     def frames(event: dict):
@@ -137,9 +138,12 @@ def transcript_deltas():
             text = text if state["started"] else text.lstrip()
             if text:
                 state["started"] = True
-                yield sse_data({"type": "transcript.text.delta", "delta": text})
+                logprobs = {"logprobs": data["logprobs"]} if "logprobs" in data else {}
+                yield sse_data({"type": "transcript.text.delta", "delta": text, **logprobs})
         elif event["type"] == DONE:
-            yield sse_data({"type": "transcript.text.done", "text": data["result"]["text"]})
+            result = data["result"]
+            logprobs = {"logprobs": result["logprobs"]} if "logprobs" in result else {}
+            yield sse_data({"type": "transcript.text.done", "text": result["text"], **logprobs})
 
     return frames
 

@@ -119,6 +119,8 @@ class TranscriptionSchema(Schema):
     duration = fields.Float()
     segments = fields.List(fields.Dict())
     words = fields.List(fields.Dict())
+    logprobs = fields.List(fields.Dict(), metadata={
+        "description": "With include[]=logprobs: {token, logprob, bytes} for each text token, in order"})
 
 
 class AnyObjectSchema(Schema):

@@ -84,3 +84,12 @@ def test_verbose_json_granularities():
 def test_unknown_format_is_refused():
     with pytest.raises(ValueError, match="unknown response format"):
         render(RESULT, "docx")
+
+
+def test_logprobs_come_with_json_and_verbose_json_when_asked_for():
+    entries = [{"token": "Hello", "logprob": -0.1, "bytes": list(b"Hello")}]
+    result = {**RESULT, "logprobs": entries}
+    assert render(result, "json")[0] == {"text": RESULT["text"], "logprobs": entries}
+    assert render(result, "verbose_json")[0]["logprobs"] == entries
+    assert "logprobs" not in render(RESULT, "verbose_json")[0]
+    assert render(result, "text")[0] == render(RESULT, "text")[0]

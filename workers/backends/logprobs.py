@@ -20,10 +20,11 @@ def entry(tokenizer, token: int, logprobs, top: int) -> dict:
     if top:
         ids = mx.argpartition(-vector, kth=top - 1)[:top]
         pairs = sorted(zip(ids.tolist(), vector[ids].tolist(), strict=True), key=lambda pair: -pair[1])
-        alternatives = [_token(tokenizer, i, value) for i, value in pairs]
-    return {**_token(tokenizer, token, vector[token].item()), "top_logprobs": alternatives}
+        alternatives = [token_entry(tokenizer, i, value) for i, value in pairs]
+    return {**token_entry(tokenizer, token, vector[token].item()), "top_logprobs": alternatives}
 
 
-def _token(tokenizer, token: int, logprob: float) -> dict:
+def token_entry(tokenizer, token: int, logprob: float) -> dict:
+    """{"token", "logprob", "bytes"} for one token (a piece of a multi-byte character decodes to U+FFFD)."""
     text = tokenizer.decode([token])
     return {"token": text, "logprob": max(FLOOR, float(logprob)), "bytes": list(text.encode("utf-8"))}

@@ -10,6 +10,8 @@ import numpy as np
 from mlx_audio.stt.models.whisper.audio import FRAMES_PER_SECOND
 from mlx_audio.stt.models.whisper.decoding import DecodingResult
 
+from workers.backends.logprobs import token_entry
+
 EDGE_MARGIN_S = 1.0
 """A segment ending this close to the end of a window that has audio after it may hold a word cut
 in two by the window edge: it is decoded again as the start of the next window instead."""
@@ -71,6 +73,17 @@ def _segment(tokens: np.ndarray, tokenizer, result: DecodingResult, seek: int, s
         "temperature": result.temperature, "avg_logprob": result.avg_logprob,
         "compression_ratio": result.compression_ratio, "no_speech_prob": result.no_speech_prob,
     }
+
+
+def attach_logprobs(segments: list[dict], logprobs: list[float], tokenizer) -> None:
+    """Give each segment the entries ({"token", "logprob", "bytes"}) of its text tokens, from `logprobs`:
+    one per token of the window's sequence, whose consecutive pieces split_segments made the segments."""
+    position = 0
+    for seg in segments:
+        scores = logprobs[position:position + len(seg["tokens"])]
+        seg["logprobs"] = [token_entry(tokenizer, token, score)
+                           for token, score in zip(seg["tokens"], scores, strict=True) if token < tokenizer.eot]
+        position += len(seg["tokens"])
 
 
 def spoken_segments(segments: list[dict]) -> list[dict]:

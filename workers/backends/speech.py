@@ -5,7 +5,8 @@ publishes the window's segments and a progress event, then yields to the schedul
 interactive work before the next window. A run resumed in another process (its worker died, or
 stopped) starts from the checkpoint and republishes the segments that were not yet published.
 
-Events: `segment` {"segment": <verbose_json segment>, "words": [...] (word timestamps only)},
+Events: `segment` {"segment": <verbose_json segment>, "words": [...] (word timestamps only), "logprobs":
+[...] (include[]=logprobs only)},
 `progress` {"done_s", "total_s", "percent", "eta_s"}, then `done` {"result": <verbose_json>}.
 A request with task "translate" runs the same way; its segments and result are in English.
 """
@@ -40,11 +41,12 @@ class SpeechBackend:
 
     def run(self, request: TranscriptionRequest, job, models) -> Iterator[Outcome | None]:
         """Transcribe the spooled file window by window; end with the verbose_json result."""
-        checkpoint = Checkpoint(job, request.word_timestamps)
+        checkpoint = Checkpoint(job, request.word_timestamps, request.logprobs)
         state = checkpoint.resume() if request.resume else checkpoint.clear()
         options = whisper.Options(language=request.language, prompt=request.prompt,
                                   temperature=request.temperature, word_timestamps=request.word_timestamps,
-                                  max_duration_s=job.settings.max_audio_s, task=request.task)
+                                  max_duration_s=job.settings.max_audio_s, task=request.task,
+                                  logprobs=request.logprobs)
         total_s = probe(request.audio_path, job.settings.max_audio_s)
         clock = _Clock(total_s, state.offset_s if state else 0.0)
         model = models.get(request.model).model
@@ -63,7 +65,7 @@ class SpeechBackend:
                 job.progress(clock.progress(total_s if chunk.finished else chunk.state.offset_s))
                 if chunk.finished:
                     result = build_result(checkpoint.segments(), chunk.state.language, total_s,
-                                          request.word_timestamps, request.task)
+                                          request.word_timestamps, request.task, request.logprobs)
                     yield Outcome({"result": result}, result=result)
                     return
                 yield
@@ -83,8 +85,8 @@ class Checkpoint:
     """A transcription's resume state in Redis: its segments by id, the state after the last window,
     and how many segments were published (they may be written and the worker die before publishing)."""
 
-    def __init__(self, job, words: bool):
-        self.job, self.words = job, words
+    def __init__(self, job, words: bool, logprobs: bool = False):
+        self.job, self.words, self.logprobs = job, words, logprobs
         self.conn, self.settings = job.conn, job.settings
         self.key, self.segments_key = keys.checkpoint_key(job.job_id), keys.checkpoint_segments(job.job_id)
 
@@ -128,6 +130,8 @@ class Checkpoint:
             data = {"segment": verbose_segment(seg)}
             if self.words:
                 data["words"] = seg.get("words", [])
+            if self.logprobs:
+                data["logprobs"] = seg.get("logprobs", [])
             events.append((SEGMENT, data))
         self.job.publish(events)
 
@@ -153,12 +157,12 @@ def _checkpoint_ttl(settings: Settings) -> int:
 
 
 def verbose_segment(seg: dict) -> dict:
-    """A checkpointed segment as verbose_json shows it (words are listed apart)."""
-    return {k: v for k, v in seg.items() if k != "words"}
+    """A checkpointed segment as verbose_json shows it (words and token logprobs are listed apart)."""
+    return {k: v for k, v in seg.items() if k not in ("words", "logprobs")}
 
 
 def build_result(segments: list[dict], language: str | None, duration_s: float, words: bool,
-                 task: str = "transcribe") -> dict:
+                 task: str = "transcribe", logprobs: bool = False) -> dict:
     """The canonical verbose_json result from the checkpointed segments."""
     # A translation's `language` is that of its text, always English, as OpenAI reports it.
     language = "en" if task == "translate" else language
@@ -167,4 +171,6 @@ def build_result(segments: list[dict], language: str | None, duration_s: float, 
               "segments": [verbose_segment(seg) for seg in segments]}
     if words:
         result["words"] = [w for seg in segments for w in seg.get("words", [])]
+    if logprobs:
+        result["logprobs"] = [entry for seg in segments for entry in seg.get("logprobs", [])]
     return result

@@ -32,8 +32,8 @@ from mlx_audio.stt.models.whisper.timing import add_word_timestamps
 from mlx_audio.stt.models.whisper.tokenizer import LANGUAGES, TO_LANGUAGE_CODE
 
 from workers.audio import SAMPLE_RATE, AudioError, AudioReader
-from workers.backends import cpu_math, whisper_encoder
-from workers.backends.segments import public_segment, split_segments, spoken_segments
+from workers.backends import cpu_math, whisper_decoder, whisper_encoder
+from workers.backends.segments import attach_logprobs, public_segment, split_segments, spoken_segments
 
 LENGTH_SLACK_S = 1.0
 """How far past settings.max_audio_s decoding may go before the file is refused (rounding in headers)."""
@@ -55,6 +55,7 @@ class Options:
     word_timestamps: bool = False
     max_duration_s: float | None = None  # decoding stops with an error past this point of the file
     task: str = "transcribe"  # or "translate": English text from speech in any language (multilingual models)
+    logprobs: bool = False  # each segment's text tokens with their log-probabilities (include[]=logprobs)
 
 
 @dataclass
@@ -182,6 +183,10 @@ def decode_window(model, samples: np.ndarray, options: Options, state: ResumeSta
         return _advance(state, [], state.seek + frames, language, frames, has_more, result)
     segments, next_seek = split_segments(np.array(result.tokens), tokenizer, result, state.seek, frames,
                                           has_more)
+    if options.logprobs:
+        scores = whisper_decoder.token_logprobs(model, features[None], tokenizer, state.prompt_tokens,
+                                                [list(result.tokens)])
+        attach_logprobs(segments, scores[0], tokenizer)
     if options.word_timestamps and segments:
         add_word_timestamps(segments=segments, model=model, tokenizer=tokenizer, mel=mel, num_frames=frames,
                             last_speech_timestamp=state.last_speech_s)

@@ -29,6 +29,7 @@ from workers.backends import cpu_math, whisper, whisper_decoder, whisper_encoder
 from workers.backends.segments import (
     FRAMES_PER_SECOND,
     SpeechSpans,
+    attach_logprobs,
     public_segment,
     split_segments,
     spoken_segments,
@@ -133,12 +134,15 @@ def decode_windows(model, windows: list[Window], options: whisper.Options, state
     last_speech_s = state.last_speech_s
     while windows:
         results = _decode_with_fallback(model, features, tokenizer, options, state, windows[0].start)
+        scores = _logprobs(model, features, tokenizer, state, results) if options.logprobs else None
         rests = []
-        for window, mel, result in zip(windows, mels, results, strict=True):
+        for index, (window, mel, result) in enumerate(zip(windows, mels, results, strict=True)):
             if whisper.is_silence(result):
                 continue
             found, next_seek = split_segments(np.array(result.tokens), tokenizer, result, window.start,
                                               window.frames, has_more=False)
+            if scores is not None:
+                attach_logprobs(found, scores[index], tokenizer)
             found = spoken_segments([_clamp(seg, window) for seg in found])
             if options.word_timestamps and found:
                 add_word_timestamps(segments=found, model=model, tokenizer=tokenizer, mel=mel,
@@ -176,6 +180,12 @@ def _decode_with_fallback(model, features: mx.array, tokenizer, options: whisper
         if not todo:
             break
     return results
+
+
+def _logprobs(model, features: mx.array, tokenizer, state: whisper.ResumeState, results: list) -> list:
+    """Each window's token log-probabilities (none for a window judged silent: it has no segment)."""
+    sequences = [[] if whisper.is_silence(result) else list(result.tokens) for result in results]
+    return whisper_decoder.token_logprobs(model, features, tokenizer, state.prompt_tokens, sequences)
 
 
 def _clamp(seg: dict, window: Window) -> dict:

@@ -28,7 +28,7 @@ def decode_features(model, features: mx.array, tokenizer, prompt: list[int], tem
                     ) -> list[DecodingResult]:
     """Decode encoded windows (whisper_encoder's output, [B, 1500, d]) with timestamps; one result per window."""
     n_ctx = model.dims.n_text_ctx
-    initial = ([tokenizer.sot_prev] + prompt[-(n_ctx // 2 - 1):] if prompt else []) + list(tokenizer.sot_sequence)
+    initial = initial_tokens(tokenizer, prompt, n_ctx)
     sot_index = initial.index(tokenizer.sot)
     step = _Stepper(model, features)
     hidden = step(mx.array([initial] * features.shape[0]))
@@ -55,6 +55,33 @@ def decode_features(model, features: mx.array, tokenizer, prompt: list[int], tem
     no_speech = no_speech.tolist()
     return [_result(tokens, logprob_sum, no_speech[row], temperature, tokenizer)
             for row, (tokens, logprob_sum) in sorted(finished.items())]
+
+
+def initial_tokens(tokenizer, prompt: list[int], n_ctx: int) -> list[int]:
+    """What the decoder is fed before the first sampled token: the prompt (its tail), then the start sequence."""
+    return ([tokenizer.sot_prev] + prompt[-(n_ctx // 2 - 1):] if prompt else []) + list(tokenizer.sot_sequence)
+
+
+def token_logprobs(model, features: mx.array, tokenizer, prompt: list[int], sequences: list[list[int]]
+                   ) -> list[list[float]]:
+    """The log-probability of each token of each window's decoded sequence, given its audio (`features`,
+    [B, 1500, d]) and the tokens before it (include[]=logprobs).
+
+    One decoder pass over each finished sequence, so both Whisper paths (mlx-audio's decoder and this one)
+    report the same thing: the model's own distribution, before Whisper's suppression and timestamp rules."""
+    initial = initial_tokens(tokenizer, prompt, model.dims.n_text_ctx)
+    scores = []
+    for row, tokens in enumerate(sequences):
+        if not tokens:
+            scores.append([])
+            continue
+        step = _Stepper(model, features[row:row + 1])
+        # The hidden state at each position predicts the token after it: from the last of `initial` on.
+        hidden = step(mx.array([initial + tokens]))[0, len(initial) - 1:-1]
+        logits = step.logits(hidden)
+        chosen = mx.take_along_axis(logits, mx.array(tokens)[:, None], axis=-1)[:, 0]
+        scores.append((chosen - cpu_math.logsumexp(logits)).tolist())
+    return scores
 
 
 class _Stepper:
