@@ -221,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging()
     settings = load_settings()
     info = apply_platform_choice(argv)
+    process_setup.fix_mmap_threshold(info.backend)
     name = args.name or f"mlxq-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     scheduler = build_scheduler(settings, name, info, burst=args.burst,
                                 serves=dedicated_models(args.models, settings))

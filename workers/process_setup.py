@@ -1,4 +1,5 @@
-"""Process-wide settings the worker applies at start, before MLX loads: MLX's environment and glibc's malloc.
+"""Process-wide settings the worker applies at start: MLX's environment (before MLX loads) and, on a GPU,
+glibc's malloc.
 
 Both are for a process that runs for weeks and serves work of every shape and size: MLX's defaults and
 glibc's suit a script that runs one model on one input.
@@ -24,29 +25,30 @@ MLX_ENVIRONMENT = {
 """MLX settings the worker starts with unless the operator's environment sets them."""
 
 MMAP_THRESHOLD_BYTES = 128 * 1024
-"""Blocks at least this large come straight from mmap and go back to the system when freed (glibc's M_MMAP_THRESHOLD).
+"""On a GPU worker, blocks at least this large come straight from mmap and go back to the system when freed
+(glibc's M_MMAP_THRESHOLD).
 
 glibc's threshold starts here too but rises to the size of each large block freed (up to 32 MiB), after which
 the audio and buffers of every batch come from the main heap and fragment it: on the H100 the worker's heap grew
-by about 230 MiB over its first two hours of batched audio, then stayed. Fixed, the heap stays flat and the worker
-holds the same after a 120-minute job as after a 30-minute one (bench/NOTES.md)."""
+by about 230 MiB over its first two hours of batched audio, then stayed. Fixed, the peak grew 38-63 MiB from a
+30- to a 120-minute job instead of 272 (bench/NOTES.md). Not on a CPU: there MLX's arrays are malloc'd too, and
+each one would get fresh pages from the kernel (Whisper's sequential path took 1.6x as long)."""
 
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
 
 def apply(environ=os.environ) -> None:
-    """Set MLX_ENVIRONMENT in `environ` where the operator has not, and fix glibc's mmap threshold."""
+    """Set MLX_ENVIRONMENT in `environ` where the operator has not (call it before MLX loads)."""
     if "mlx.core" in sys.modules:  # too late for the environment: MLX has read it
         log.warning("MLX was loaded before the worker's settings: %s not applied", ", ".join(MLX_ENVIRONMENT))
     for name, value in MLX_ENVIRONMENT.items():
         environ.setdefault(name, value)
-    fix_mmap_threshold(environ)
 
 
-def fix_mmap_threshold(environ=os.environ) -> bool:
-    """Fix glibc's mmap threshold at MMAP_THRESHOLD_BYTES, unless the operator set MALLOC_MMAP_THRESHOLD_ (or
-    this is not glibc); whether it was set here."""
-    if "MALLOC_MMAP_THRESHOLD_" in environ or not sys.platform.startswith("linux"):
+def fix_mmap_threshold(backend: str, environ=os.environ) -> bool:
+    """Fix glibc's mmap threshold at MMAP_THRESHOLD_BYTES on a GPU `backend`, unless the operator set
+    MALLOC_MMAP_THRESHOLD_ (or this is not glibc); whether it was set here."""
+    if backend == "cpu" or "MALLOC_MMAP_THRESHOLD_" in environ or not sys.platform.startswith("linux"):
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
