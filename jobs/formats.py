@@ -23,7 +23,7 @@ VTT_MIMETYPE = "text/vtt; charset=utf-8"
 def render(result: dict, fmt: str, granularities=("segment",)) -> tuple[str | dict, str]:
     """Return (body, mimetype) for `result` in format `fmt`; a dict body is to be sent as JSON."""
     if fmt == "json":
-        return {"text": result["text"], **_logprobs(result)}, JSON_MIMETYPE
+        return {"text": result["text"], **logprobs_field(result)}, JSON_MIMETYPE
     if fmt == "text":
         return result["text"] + "\n", TEXT_MIMETYPE
     if fmt == "srt":
@@ -42,12 +42,13 @@ def verbose(result: dict, granularities=("segment",)) -> dict:
         body["segments"] = result["segments"]
     if "word" in granularities:
         body["words"] = result.get("words") or []
-    return {**body, **_logprobs(result)}
+    return {**body, **logprobs_field(result)}
 
 
-def _logprobs(result: dict) -> dict:
-    """The text tokens' log-probabilities, where the transcription was asked for them (include[]=logprobs)."""
-    return {"logprobs": result["logprobs"]} if "logprobs" in result else {}
+def logprobs_field(data: dict) -> dict:
+    """{"logprobs": [...]} where `data` (a result, or a segment event's data) carries the text tokens'
+    log-probabilities (include[]=logprobs), else {}."""
+    return {"logprobs": data["logprobs"]} if "logprobs" in data else {}
 
 
 def srt_time(seconds: float) -> str:

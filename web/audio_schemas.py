@@ -104,16 +104,21 @@ class TranscriptionFormSchema(Schema):
         data["prompt"] = data["prompt"] or None
         # OpenAI's {"type": "server_vad", ...} arrives as chunking_strategy[type]: the same detector.
         data["chunking_strategy"] = "auto" if data.pop("chunking_type") else data["chunking_strategy"]
-        data["logprobs"] = "logprobs" in set(data.pop("include")) | set(data.pop("include_plain"))
+        data["logprobs"] = "logprobs" in _included(data)
+        del data["include"], data["include_plain"]
         return data
 
     @validates_schema
     def _logprobs_need_json(self, data, **kwargs):
         """Token log-probabilities have no place in text, srt or vtt (OpenAI: `json` only; here verbose_json too)."""
-        asked = "logprobs" in set(data.get("include", ())) | set(data.get("include_plain", ()))
-        if asked and data.get("response_format") in PLAIN_FORMATS and not data.get("stream"):
+        if "logprobs" in _included(data) and data.get("response_format") in PLAIN_FORMATS and not data.get("stream"):
             raise ValidationError("'logprobs' needs response_format json or verbose_json (or stream)",
                                   field_name="include[]")
+
+
+def _included(data: dict) -> set:
+    """What `include[]` (or `include`) asks for."""
+    return set(data.get("include", ())) | set(data.get("include_plain", ()))
 
 
 class TranslationFormSchema(TranscriptionFormSchema):

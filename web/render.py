@@ -9,7 +9,7 @@ from __future__ import annotations
 from flask import Response, jsonify
 
 from jobs.events import DELTA, DONE, SEGMENT
-from jobs.formats import TEXT_MIMETYPE, render
+from jobs.formats import TEXT_MIMETYPE, logprobs_field, render
 from web.sse import sse_data
 
 
@@ -138,12 +138,10 @@ def transcript_deltas():
             text = text if state["started"] else text.lstrip()
             if text:
                 state["started"] = True
-                logprobs = {"logprobs": data["logprobs"]} if "logprobs" in data else {}
-                yield sse_data({"type": "transcript.text.delta", "delta": text, **logprobs})
+                yield sse_data({"type": "transcript.text.delta", "delta": text, **logprobs_field(data)})
         elif event["type"] == DONE:
             result = data["result"]
-            logprobs = {"logprobs": result["logprobs"]} if "logprobs" in result else {}
-            yield sse_data({"type": "transcript.text.done", "text": result["text"], **logprobs})
+            yield sse_data({"type": "transcript.text.done", "text": result["text"], **logprobs_field(result)})
 
     return frames
 
