@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
 import click
 
-from mlxq.transcribe_cli import _open
+from mlxq.client import ADMIN_KEY_HINT, DEFAULT_URL, connect
 
-URL = click.option("--url", envvar="MLXQ_URL", default="http://127.0.0.1:8000", show_default=True,
+URL = click.option("--url", envvar="MLXQ_URL", default=DEFAULT_URL, show_default=True,
                    help="The mlxq server (env MLXQ_URL).")
 KEY = click.option("--admin-key", envvar="MLXQ_ADMIN_KEY", default=None,
                    help="The admin key (env MLXQ_ADMIN_KEY); not needed on an open server.")
@@ -20,10 +18,10 @@ def admin():
 
 
 def _call(url: str, key: str | None, path: str, body: dict | None = None) -> dict:
-    data = json.dumps(body).encode() if body is not None else None
-    headers = {"Content-Type": "application/json"} if body is not None else {}
-    with _open(url.rstrip("/") + path, key, data=data, headers=headers) as response:
-        return json.load(response)
+    """GET `path` (POST `body` as JSON when given) on the admin API; the decoded answer."""
+    with connect(url, key, ADMIN_KEY_HINT) as client:
+        response = client.get(path) if body is None else client.post(path, json=body)
+        return response.json()
 
 
 @admin.command()

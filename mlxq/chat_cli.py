@@ -7,14 +7,13 @@ API takes them; the answer is printed as it streams.
 from __future__ import annotations
 
 import base64
-import json
 import mimetypes
 from pathlib import Path
-from urllib.parse import urljoin
 
 import click
+import httpx
 
-from mlxq.transcribe_cli import _open, sse_events
+from mlxq.client import DEFAULT_URL, connect, error_text, sse
 
 FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
 
@@ -54,36 +53,25 @@ def chat_body(question: str, images: tuple[Path, ...], audio: tuple[Path, ...], 
 @click.option("--max-tokens", default=256, show_default=True, type=int)
 @click.option("--temperature", default=None, type=float, help="Sampling temperature (0 = greedy; default: the "
               "API's, 1).")
-@click.option("--url", default="http://127.0.0.1:8000", show_default=True, envvar="MLXQ_URL")
+@click.option("--url", default=DEFAULT_URL, show_default=True, envvar="MLXQ_URL")
 @click.option("--api-key", envvar="MLXQ_API_KEY", default=None, help="Bearer key (env MLXQ_API_KEY).")
 def chat(question, images, audio, model, max_tokens, temperature, url, api_key):
     """Ask QUESTION (about --image / --audio files) and print the streamed answer."""
-    base = url.rstrip("/") + "/"
-    if images and not model:
-        model = _first_vision_model(base, api_key)
-    body = json.dumps(chat_body(question, images, audio, model, max_tokens, temperature)).encode()
-    headers = {"Content-Type": "application/json", "Accept": "text/event-stream"}
-    with _open(urljoin(base, "v1/chat/completions"), api_key, data=body, headers=headers, method="POST") as response:
-        for _name, data in sse_events(_data_lines(response)):
-            if "error" in data:
-                raise click.ClickException(data["error"].get("message", "the request failed"))
+    with connect(url, api_key) as client:
+        if images and not model:
+            model = _first_vision_model(client)
+        body = chat_body(question, images, audio, model, max_tokens, temperature)
+        for _name, data in sse(client, "POST", "/v1/chat/completions", json=body):
+            if "error" in data:  # the stream's error event: the server's message as it is
+                raise click.ClickException(error_text(data))
             for choice in data.get("choices", []):
                 click.echo((choice.get("delta") or {}).get("content") or "", nl=False)
     click.echo()
 
 
-def _data_lines(response):
-    """The SSE lines of an OpenAI stream, without its final `data: [DONE]` (not JSON)."""
-    for raw in response:
-        if raw.strip() != b"data: [DONE]":
-            yield raw
-
-
-def _first_vision_model(base: str, api_key: str | None) -> str:
+def _first_vision_model(client: httpx.Client) -> str:
     """The first model the server lists as able to see images."""
-    with _open(urljoin(base, "v1/models"), api_key) as response:
-        models = json.loads(response.read())["data"]
-    for entry in models:
+    for entry in client.get("/v1/models").json()["data"]:
         if "vision" in entry.get("capabilities", []):
             return entry["id"]
     raise click.ClickException("the server has no vision model (run `mlxq models pull-demo`); pass --model")
