@@ -68,6 +68,7 @@ def sampling(body: dict, info: ModelInfo, grammar: str | None = None) -> Samplin
     if body["top_k"] and info.vocab_size and body["top_k"] > info.vocab_size:
         raise APIError(400, f"'top_k' must be at most {info.vocab_size}, the vocabulary size of model "
                             f"'{info.id}'.", "invalid_value", "top_k")
+    own = grammar_for(body.get("response_format"))  # checked even where the tools' grammar stands in for it
     defaults = Sampling()
     return Sampling(
         max_tokens=max_tokens,
@@ -78,7 +79,7 @@ def sampling(body: dict, info: ModelInfo, grammar: str | None = None) -> Samplin
         seed=body["seed"],
         stop=tuple(s for s in body["stop"] or () if s),
         repetition_penalty=body["repetition_penalty"],
-        grammar=grammar or grammar_for(body.get("response_format")),
+        grammar=grammar or own,
         logprobs=_logprobs(body),
     )
 

@@ -42,9 +42,7 @@ def _tool(item, param: str) -> Tool:
     try:
         return tool(item.get("name"), item.get("description"), schema, param)
     except APIError as exc:
-        where = exc.param or param
-        if where.endswith(".parameters"):
-            where = where.removesuffix(".parameters") + ".input_schema"
+        where = (exc.param or param).replace(f"{param}.parameters", f"{param}.input_schema", 1)
         raise APIError(exc.status, exc.message, exc.code, where) from None
 
 

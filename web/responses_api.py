@@ -78,7 +78,12 @@ def create_response(body):
         previous = rs.load_stored(svc.redis, body["previous_response_id"], who.owner, who.admin)
     body["model"] = body["model"] or (previous["response"]["model"] if previous else None)
     messages = rs.to_messages(body, previous)
-    request = intake.chat_request(_as_chat(body, messages), queues.new_job_id("resp"), is_async=bool(body["background"]))
+    try:
+        request = intake.chat_request(_as_chat(body, messages), queues.new_job_id("resp"),
+                                      is_async=bool(body["background"]))
+    except APIError as exc:  # checked as a chat: name the Responses field
+        exc.param = _responses_param(exc.param)
+        raise
     body["model"] = request.model.id
     created, ttl = rs.now(), svc.settings.result_ttl_s
     if body["background"]:
@@ -126,6 +131,14 @@ def _as_chat(body: dict, messages: list[dict]) -> dict:
                       "temperature": body["temperature"], "top_p": body["top_p"],
                       "response_format": response_format}, CHAT_FIELDS)
     return {**chat, **tools.chat_fields(body)}  # checked tools: not chat's fields, so added after loading
+
+
+def _responses_param(param: str | None) -> str | None:
+    """A chat field's name in an error as the Responses field it came from."""
+    for chat, responses in {**CHAT_FIELDS, "response_format.json_schema": "text.format"}.items():
+        if param and (param == chat or param.startswith(chat + ".")):
+            return responses + param[len(chat):]
+    return param
 
 
 def _events(response_id: str, body: dict, created: int, messages: list[dict], keep):

@@ -6,9 +6,10 @@ llguidance is a grammar engine (Rust, no MLX): the web tier uses it only to comp
 
 from __future__ import annotations
 
+import functools
 import json
 
-from llguidance import LLMatcher
+from llguidance import LLMatcher, LLTokenizer, TokenizerWrapper
 from marshmallow import Schema, fields, validate
 
 from web.errors import APIError
@@ -54,7 +55,62 @@ def answer_schema(response_format: dict | None) -> dict | None:
     if len(json.dumps(schema)) > MAX_SCHEMA_BYTES:
         raise APIError(400, f"The JSON schema is larger than {MAX_SCHEMA_BYTES // 1024} KiB.", "invalid_value",
                        PARAM)
+    check_options(schema, PARAM)
     return schema
+
+
+def check_options(schema: dict, param: str) -> None:
+    """A schema's own llguidance options ("x-guidance") must be an object (llguidance checks its keys)."""
+    options = schema.get("x-guidance")
+    if options is not None and not isinstance(options, dict):
+        raise APIError(400, "'x-guidance' (llguidance's options for this schema) must be an object, such as "
+                            "{\"whitespace_flexible\": true}.", "invalid_value", f"{param}.x-guidance")
+
+
+def options_of(schema: dict) -> dict:
+    """The llguidance options a schema is compiled with: mlxq's defaults, then the schema's own."""
+    return {**JSON_OPTIONS, **(schema.get("x-guidance") or {})}
+
+
+def unenforceable(grammar: str) -> str | None:
+    """Why llguidance cannot hold an answer to `grammar`, or None when it can.
+
+    Besides compiling it, the grammar is started on a tokenizer of single bytes, as the worker will
+    start it on the model's: a schema no value satisfies (`{"$ref": "#"}`, a `$ref` loop) allows
+    nothing at all, and one whose required properties recurse forces an endless prefix. Both would
+    only fail in the worker, mid-answer; here they cost a millisecond."""
+    error = LLMatcher.validate_grammar(grammar)
+    if error:
+        return error.strip()
+    matcher = LLMatcher(_byte_tokenizer(), grammar, log_level=0)
+    forced = matcher.compute_ff_bytes()
+    if not matcher.is_error():
+        matcher.consume_tokens(list(forced))
+        matcher.compute_bitmask()
+    if not matcher.is_error():
+        return None
+    reason = matcher.get_error().strip().splitlines()[0]
+    if reason == "NoExtensionBias":
+        return "no JSON value satisfies it (does a $ref refer to itself?)"
+    if "Too many items" in reason:
+        return "it never ends (a required property that contains itself?)"
+    return reason
+
+
+class _Bytes:
+    """A tokenizer whose tokens are the 256 bytes, plus an end-of-sequence token (for `unenforceable`)."""
+
+    eos_token_id, bos_token_id, special_token_ids = 256, None, [256]
+    tokens = [bytes([b]) for b in range(256)] + [b"</s>"]
+
+    def __call__(self, text) -> list[int]:
+        return list(text if isinstance(text, bytes) else text.encode())
+
+
+@functools.cache
+def _byte_tokenizer() -> LLTokenizer:
+    """llguidance's tokenizer over single bytes (built once)."""
+    return LLTokenizer(TokenizerWrapper(_Bytes()))
 
 
 def grammar_for(response_format: dict | None) -> str | None:
@@ -66,7 +122,7 @@ def grammar_for(response_format: dict | None) -> str | None:
         grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     except ValueError as exc:
         raise APIError(400, f"Invalid JSON schema: {exc}", "invalid_value", PARAM) from None
-    error = LLMatcher.validate_grammar(grammar)
+    error = unenforceable(grammar)
     if error:
         raise APIError(400, f"The JSON schema cannot be enforced: {error}", "unsupported_schema", PARAM)
     return grammar

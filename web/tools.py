@@ -19,7 +19,7 @@ from llguidance import LLMatcher
 from jobs.model_files import TOOL_FORMATS
 from jobs.store import ModelInfo
 from web.errors import APIError
-from web.structured import JSON_OPTIONS, MAX_SCHEMA_BYTES
+from web.structured import MAX_SCHEMA_BYTES, check_options, options_of, unenforceable
 
 MAX_TOOLS = 128
 """The most tools one request may define (OpenAI's limit)."""
@@ -70,9 +70,10 @@ def tool(name, description, parameters, param: str) -> Tool:
     if len(json.dumps(schema)) > MAX_SCHEMA_BYTES:
         raise APIError(400, f"A function's parameters schema is larger than {MAX_SCHEMA_BYTES // 1024} KiB.",
                        "invalid_value", f"{param}.parameters")
-    error = LLMatcher.validate_grammar(_lark_json(schema))
+    check_options(schema, f"{param}.parameters")
+    error = unenforceable(_lark_json(schema))
     if error:
-        raise APIError(400, f"The parameters schema cannot be enforced: {error.strip()}", "unsupported_schema",
+        raise APIError(400, f"The parameters schema cannot be enforced: {error}", "unsupported_schema",
                        f"{param}.parameters")
     return Tool(name, description, schema, param)
 
@@ -161,7 +162,7 @@ def _calls_grammar(tools: list[Tool], parallel: bool, answer_schema: dict | None
 
 def _json_rule(schema: dict) -> str:
     """A lark rule body matching JSON that follows `schema` (compact, as structured output writes it)."""
-    return "%json " + json.dumps({**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}})
+    return "%json " + json.dumps({**schema, "x-guidance": options_of(schema)})
 
 
 def _lark_json(schema: dict) -> str:

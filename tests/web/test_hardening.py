@@ -195,3 +195,95 @@ def test_a_form_with_thousands_of_fields_gets_a_413_naming_that_limit(client):
     response = client.post("/v1/audio/transcriptions", data={**fields, "file": (io.BytesIO(b"RIFF"), "a.wav")})
     error = error_of(response, 413)
     assert error["code"] == "form_too_large" and "parts" in error["message"]
+
+
+# --- schemas llguidance cannot hold an answer to (issue 29) --------------------------------------
+
+TOOLS_MODEL = "smollm2-135m-tools"
+ENDLESS = {"type": "object", "properties": {"child": {"$ref": "#"}}, "required": ["child"]}
+NOTHING = [{"$ref": "#"}, {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+           {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}]
+
+
+def _chat_format(schema: dict) -> tuple[str, dict]:
+    return "/v1/chat/completions", {"model": MODEL, "messages": QUESTION, "max_tokens": 4, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+
+def _responses_format(schema: dict) -> tuple[str, dict]:
+    return "/v1/responses", {"model": MODEL, "input": "hi", "max_output_tokens": 4,
+                             "text": {"format": {"type": "json_schema", "name": "x", "schema": schema}}}
+
+
+@pytest.mark.parametrize("schema", [*NOTHING, ENDLESS], ids=["ref-root", "ref-a-a", "ref-a-b-a", "endless"])
+@pytest.mark.parametrize("build, param", [(_chat_format, "response_format.json_schema.schema"),
+                                          (_responses_format, "text.format")])
+def test_a_schema_no_answer_can_follow_is_a_400(client, schema, build, param):
+    path, body = build(schema)
+    error = error_of(client.post(path, json=body), 400)
+    assert error["code"] == "unsupported_schema" and error["param"].startswith(param.split(".")[0])
+    assert "$ref" in error["message"] or "never ends" in error["message"]
+
+
+def test_a_recursive_schema_with_finite_answers_is_accepted(client):
+    tree = {"type": "object", "properties": {"name": {"type": "string"}, "children": {
+        "type": "array", "items": {"$ref": "#"}}}, "required": ["name"]}
+    path, body = _chat_format(tree)
+    response = client.post(path, json=body)  # checked and accepted; then no worker answers here
+    assert response.status_code in (503, 504) and response.get_json()["error"]["code"] in ("no_worker", "timeout")
+
+
+def _chat_tool(parameters: dict) -> tuple[str, dict, str]:
+    return "/v1/chat/completions", {"model": TOOLS_MODEL, "messages": QUESTION, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": parameters}}]}, "tools[0].function.parameters"
+
+
+def _responses_tool(parameters: dict) -> tuple[str, dict, str]:
+    return "/v1/responses", {"model": TOOLS_MODEL, "input": "hi", "tools": [
+        {"type": "function", "name": "f", "parameters": parameters}]}, "tools[0].parameters"
+
+
+def _messages_tool(parameters: dict) -> tuple[str, dict, str]:
+    return "/v1/messages", {"model": TOOLS_MODEL, "max_tokens": 4, "messages": QUESTION, "tools": [
+        {"name": "f", "input_schema": parameters}]}, "tools.0.input_schema"
+
+
+def _message_error(response, status: int) -> str:
+    """The message of an Anthropic-shaped error with `status`."""
+    assert response.status_code == status, response.get_data(as_text=True)
+    body = response.get_json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    return body["error"]["message"]
+
+
+@pytest.mark.parametrize("options", ["fast", [1], 3])
+@pytest.mark.parametrize("build", [_chat_tool, _responses_tool, _messages_tool])
+def test_tool_parameters_with_llguidance_options_that_are_not_an_object_are_a_400(client, options, build):
+    path, body, param = build({"type": "object", "properties": {}, "x-guidance": options})
+    response = client.post(path, json=body)
+    if path == "/v1/messages":
+        assert _message_error(response, 400).startswith(f"{param}.x-guidance: ")
+    else:
+        assert error_of(response, 400)["param"] == f"{param}.x-guidance"
+
+
+@pytest.mark.parametrize("build", [_chat_tool, _responses_tool, _messages_tool])
+def test_tool_parameters_that_never_end_are_a_400(client, build):
+    path, body, param = build(ENDLESS)
+    response = client.post(path, json=body)
+    if path == "/v1/messages":
+        assert _message_error(response, 400).startswith(f"{param}: The parameters schema cannot be enforced")
+    else:
+        assert error_of(response, 400)["param"] == param
+
+
+def test_response_format_options_that_are_not_an_object_are_a_400_not_ignored(client):
+    path, body = _chat_format({"type": "object", "x-guidance": "compact"})
+    error = error_of(client.post(path, json=body), 400)
+    assert error["param"] == "response_format.json_schema.schema.x-guidance"
+
+
+def test_tools_beside_a_response_format_that_admits_nothing_are_a_400(client):
+    path, body, _ = _chat_tool({"type": "object", "properties": {}})
+    body["response_format"] = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}
+    assert error_of(client.post(path, json=body), 400)["param"] == "response_format.json_schema.schema"
