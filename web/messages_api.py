@@ -76,9 +76,7 @@ def create_message(body):
 
 def _as_chat(body: dict) -> dict:
     """The chat completion body a Messages request runs as (400s name the Messages field)."""
-    system = body["system"]
-    if isinstance(system, list):
-        system = "".join(block.get("text", "") for block in system if isinstance(block, dict))
+    system = _system_text(body["system"])
     messages = ([{"role": "system", "content": system}] if system else [])
     for i, message in enumerate(body["messages"]):
         messages += _messages_in(message, i)
@@ -91,6 +89,20 @@ def _as_chat(body: dict) -> dict:
                       "parallel_tool_calls": parallel}, {"stop": "stop_sequences"})
     # Already checked, in Messages' terms: intake takes them as they are (load_chat would drop them).
     return {**chat, "tool_list": tools, "tool_mode": mode}
+
+
+def _system_text(system) -> str | None:
+    """`system`: a string, or a list of text blocks (joined)."""
+    if system is None or isinstance(system, str):
+        return system
+    if not isinstance(system, list):
+        raise mt.bad("system", "must be a string or a list of text blocks")
+    for k, block in enumerate(system):
+        if not isinstance(block, dict) or block.get("type") != "text":
+            raise mt.bad(f"system.{k}", "system blocks must be text blocks ({\"type\": \"text\", \"text\": ...})")
+        if not isinstance(block.get("text"), str):
+            raise mt.bad(f"system.{k}.text", "must be a string")
+    return "".join(block["text"] for block in system)
 
 
 def _messages_in(message, index: int) -> list[dict]:
@@ -127,16 +139,26 @@ def _block(block, param: str) -> dict:
     """A text or image block as a chat content part."""
     kind = block.get("type") if isinstance(block, dict) else None
     if kind == "text":
-        return {"type": "text", "text": block.get("text", "")}
+        if not isinstance(block.get("text"), str):
+            raise mt.bad(f"{param}.text", "must be a string")
+        return {"type": "text", "text": block["text"]}
     if kind == "image":
-        source = block.get("source") or {}
-        if source.get("type") == "base64":
-            url = f"data:{source.get('media_type', 'image/png')};base64,{source.get('data', '')}"
-        else:
-            url = source.get("url") or ""
-        return {"type": "image_url", "image_url": {"url": url}}
+        return {"type": "image_url", "image_url": {"url": _image_url(block.get("source"), f"{param}.source")}}
     raise APIError(400, f"{param}: blocks of type {kind!r} are not supported (text, image, tool_use, tool_result)",
                    "invalid_value", param)
+
+
+def _image_url(source, param: str) -> str:
+    """An image block's `source` ({"type": "base64", "media_type", "data"} or {"type": "url", "url"}) as a URL."""
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind not in ("base64", "url"):
+        raise mt.bad(param, "must be {\"type\": \"base64\", \"media_type\", \"data\"} or {\"type\": \"url\", "
+                            "\"url\"}")
+    fields = ("media_type", "data") if kind == "base64" else ("url",)
+    for field in fields:
+        if not isinstance(source.get(field), str) or not source[field]:
+            raise mt.bad(f"{param}.{field}", "must be a non-empty string")
+    return f"data:{source['media_type']};base64,{source['data']}" if kind == "base64" else source["url"]
 
 
 def _message(message_id: str, model: str, done: dict) -> dict:

@@ -287,3 +287,32 @@ def test_tools_beside_a_response_format_that_admits_nothing_are_a_400(client):
     path, body, _ = _chat_tool({"type": "object", "properties": {}})
     body["response_format"] = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}
     assert error_of(client.post(path, json=body), 400)["param"] == "response_format.json_schema.schema"
+
+
+# --- Messages blocks of the wrong shape (issue 29) ---------------------------------------------------
+
+@pytest.mark.parametrize("source, param", [
+    ("https://example.com/a.png", "messages.0.content.0.source"), ([1], "messages.0.content.0.source"),
+    (3, "messages.0.content.0.source"), ({"type": "file"}, "messages.0.content.0.source"),
+    ({"type": "base64", "data": 5, "media_type": "image/png"}, "messages.0.content.0.source.data"),
+    ({"type": "url", "url": ["x"]}, "messages.0.content.0.source.url"),
+])
+def test_an_image_block_whose_source_is_not_a_source_object_is_a_400(client, source, param):
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": source}]}]}
+    assert _message_error(client.post("/v1/messages", json=body), 400).startswith(f"{param}: ")
+
+
+@pytest.mark.parametrize("system, param", [
+    ([{"type": "text", "text": 3}], "system.0.text"), ([{"type": "text", "text": ["a"]}], "system.0.text"),
+    ([{"type": "text"}], "system.0.text"), ([1], "system.0"), (["be brief"], "system.0"), (3, "system"),
+    ({"type": "text", "text": "x"}, "system"),
+])
+def test_a_system_that_is_not_text_is_a_400_naming_it(client, system, param):
+    body = {"model": MODEL, "max_tokens": 4, "messages": QUESTION, "system": system}
+    assert _message_error(client.post("/v1/messages", json=body), 400).startswith(f"{param}: ")
+
+
+def test_a_text_block_whose_text_is_not_a_string_is_a_400_naming_it(client):
+    body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}
+    assert _message_error(client.post("/v1/messages", json=body), 400).startswith("messages.0.content.0.text: ")
