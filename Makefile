@@ -30,8 +30,9 @@ system-deps:
 models: setup
 	$(BIN)/mlxq models pull-demo
 
+# `make run PORT=8001` serves on another port (the default is 8000).
 run: models
-	$(BIN)/mlxq up
+	$(BIN)/mlxq up $(if $(PORT),--port $(PORT))
 
 test: models
 	$(BIN)/python -m pytest

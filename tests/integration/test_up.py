@@ -3,18 +3,22 @@ restarted (its async job resumed), and Ctrl-C / SIGTERM leaving no process behin
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 import redis
 
-from mlxq.devstack import Stack, free_port, redis_answers
+from jobs.settings import load_settings
+from mlxq.devstack import LOCK_NAME, Stack, free_port, lock_data_dir, redis_answers
 from tests.conftest import REPO, wait_until
 from tests.integration.test_transcription import long_wav, submit_job
 
@@ -60,8 +64,8 @@ def _worker_pid(up_pid: int) -> int | None:
 def bare_env(tmp_path, models_dir):
     """An environment with no Redis anywhere: REDIS_URL names a closed port, PATH holds no redis-server.
 
-    The store is a fresh directory linking to the demo models, so the Redis data directory `mlxq up`
-    derives from it (<store>/../redis) is this test's own.
+    The store is a fresh directory linking to the demo models, so the Redis data directories `mlxq up`
+    derives from it (<store>/../redis/<port>) are this test's own.
     """
     store = tmp_path / "mlxq" / "models"
     store.mkdir(parents=True)
@@ -78,19 +82,57 @@ def test_embedded_redis_starts_when_none_is_there(bare_env, monkeypatch, tmp_pat
     monkeypatch.setenv("PATH", bare_env["PATH"])
     lines = []
     stack = Stack(log=lines.append)
-    from jobs.settings import load_settings
-
     settings = load_settings().with_overrides(redis_url=bare_env["REDIS_URL"])
     url = stack.ensure_redis(settings, tmp_path / "redis")
+    port = urlsplit(url).port
     try:
-        assert redis_answers(url) and url != settings.redis_url
+        assert url == settings.redis_url  # on the port REDIS_URL names, not a random one
         assert "embedded valkey-server" in lines[-1], lines
         conn = redis.Redis.from_url(url)
         assert conn.config_get("appendonly") == {"appendonly": "yes"}  # queued jobs survive a restart
-        assert Path(conn.config_get("dir")["dir"]) == tmp_path / "redis"
+        data_dir = tmp_path / "redis" / str(port)  # a directory per port: instances never share one
+        assert Path(conn.config_get("dir")["dir"]) == data_dir
+        assert (data_dir / LOCK_NAME).read_text().strip() == str(os.getpid())
+        with pytest.raises(SystemExit, match="in use by another mlxq"):
+            lock_data_dir(data_dir)
     finally:
         stack.stop()
     assert not redis_answers(url)
+    os.close(lock_data_dir(data_dir))  # free again once the stack and its Redis are gone
+
+
+def test_a_locked_data_directory_is_refused(bare_env, monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", bare_env["PATH"])
+    settings = load_settings().with_overrides(redis_url=bare_env["REDIS_URL"])
+    held = lock_data_dir(tmp_path / "redis" / str(urlsplit(settings.redis_url).port))  # as another mlxq up would
+    try:
+        with pytest.raises(SystemExit, match=f"in use by another mlxq \\(pid {os.getpid()}\\)"):
+            Stack(log=lambda line: None).ensure_redis(settings, tmp_path / "redis")
+    finally:
+        os.close(held)
+    assert not redis_answers(settings.redis_url)
+
+
+def test_a_redis_port_held_by_something_else_is_named(tmp_path):
+    with socket.create_server(("127.0.0.1", 0)) as other:  # listens, never answers PING
+        port = other.getsockname()[1]
+        settings = load_settings().with_overrides(redis_url=f"redis://127.0.0.1:{port}/0")
+        with pytest.raises(SystemExit, match=f"port {port} cannot be listened on"):
+            Stack(log=lambda line: None).ensure_redis(settings, tmp_path / "redis")
+    assert not (tmp_path / "redis").exists()
+
+
+def test_up_refuses_a_taken_port_before_starting_anything(bare_env, tmp_path):
+    with socket.create_server(("127.0.0.1", 0)) as other:
+        port = other.getsockname()[1]
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "mlxq.cli", "up", "--port", str(port)], env=bare_env, cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert time.monotonic() - started < 30
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "--port" in done.stderr, done.stderr
+    assert "make run PORT=" in done.stderr and "mlxq is starting" not in done.stdout
+    assert not redis_answers(bare_env["REDIS_URL"]) and not (tmp_path / "mlxq" / "redis").exists()
 
 
 def test_a_child_that_cannot_stay_up_ends_the_stack_with_its_code(monkeypatch):
@@ -150,6 +192,46 @@ def test_up_restarts_a_killed_worker_and_its_job_resumes(bare_env, tmp_path):
     assert code == 0, log_path.read_text()[-3000:]
     leftovers = [(pid, _cmdline(pid)) for pid in everything if _alive(pid)]
     assert not leftovers, leftovers
+
+
+def test_two_instances_on_one_machine_keep_their_own_redis(bare_env, tmp_path):
+    """Two `mlxq up` sharing one store (as on one machine), each REDIS_URL on a port where nothing answers:
+    each starts its Redis there, with a data directory of its own, and neither sees the other's jobs."""
+    instances = []
+    try:
+        for name in ("a", "b"):
+            env = {**bare_env, "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
+            port = free_port()
+            with open(tmp_path / f"up-{name}.log", "wb") as log:
+                up = subprocess.Popen([sys.executable, "-m", "mlxq.cli", "up", "--port", str(port), "--web-workers",
+                                       "1"], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+            instances.append((up, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30), env["REDIS_URL"]))
+        for up, api, _ in instances:  # the web tier answering is enough: async jobs queue without a worker
+            wait_until(functools.partial(_healthy, api, up), 120, interval=0.2, what="the web tier to answer")
+        (_, api_a, url_a), (_, api_b, url_b) = instances
+        job = api_a.post("/v1/jobs/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                             "max_tokens": 1})
+        assert job.status_code == 202, job.text
+        assert api_a.get(job.json()["links"]["self"]).status_code in (200, 202)
+        assert api_b.get(job.json()["links"]["self"]).status_code == 404
+        dirs = [Path(redis.Redis.from_url(url).config_get("dir")["dir"]) for url in (url_a, url_b)]
+        home = tmp_path / "mlxq" / "redis"
+        assert dirs == [home / str(urlsplit(url_a).port), home / str(urlsplit(url_b).port)]
+    finally:
+        for up, api, _ in instances:
+            api.close()
+            up.send_signal(signal.SIGTERM)
+        codes = [up.wait(60) for up, _, _ in instances]
+    assert codes == [0, 0], [(tmp_path / f"up-{n}.log").read_text()[-2000:] for n in ("a", "b")]
+
+
+def _healthy(api: httpx.Client, up: subprocess.Popen) -> bool:
+    assert up.poll() is None, f"mlxq up exited with code {up.returncode}"
+    try:
+        return api.get("/health").status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _ready(api: httpx.Client) -> bool:
