@@ -18,8 +18,8 @@ DEFAULT_URL = "http://127.0.0.1:8000"
 TIMEOUT = httpx.Timeout(600.0, connect=10.0)
 """Connecting fails fast; an answer may take long (a prefill, a long upload being transcribed)."""
 
-API_KEY_HINT = "pass the key with --api-key or set MLXQ_API_KEY"
-ADMIN_KEY_HINT = "pass the admin key with --admin-key or set MLXQ_ADMIN_KEY"
+API_KEY_HINT = "Pass the key with --api-key or set MLXQ_API_KEY."
+ADMIN_KEY_HINT = "Pass the admin key with --admin-key or set MLXQ_ADMIN_KEY."
 
 
 def error_text(body: dict) -> str:
@@ -39,7 +39,7 @@ def _refusal(response: httpx.Response, key_hint: str) -> click.ClickException:
         text = response.text.strip()[:500] or response.reason_phrase
     line = f"HTTP {response.status_code}: {text}"
     if response.headers.get("Retry-After"):
-        line += f" (retry after {response.headers['Retry-After']} s)"
+        line += f"; retry after {response.headers['Retry-After']} s"
     if response.status_code == 401:
         line += f"\n{key_hint}"
     return click.ClickException(line)

@@ -91,3 +91,11 @@ def test_nothing_listening_gets_a_hint(tmp_path):
 def test_version_comes_from_the_package():
     result = _run(main, ["--version"])
     assert result.exit_code == 0 and result.output.strip() == f"mlxq, version {version('mlxq')}"
+
+
+def test_chat_shows_no_worker(guarded):
+    """No worker runs behind this web tier: the chat is refused at once, and the CLI says why."""
+    result = _run(chat, ["Hi", "--url", guarded, "--api-key", KEY])
+    assert result.exit_code == 1, result.output
+    assert "HTTP 503: No MLX worker is running" in result.output and "(no_worker)" in result.output, result.output
+    assert "retry after" in result.output
