@@ -1,7 +1,9 @@
 """Reading a job's events: one pub/sub connection per process fans out to every local listener.
 
 A reader registers its listener first, then replays the log from its last seen id, then forwards
-live events, dropping duplicates; so late joiners and reconnecting clients miss nothing.
+live events, dropping duplicates; so late joiners and reconnecting clients miss nothing. The same
+replay carries a reader through a short Redis outage: it keeps its last id, and once Redis answers
+again the log gives it what was published meanwhile.
 """
 
 from __future__ import annotations
@@ -22,6 +24,11 @@ log = logging.getLogger(__name__)
 
 IDLE = {"id": 0, "type": "idle", "data": {}}
 """Yielded by `follow` when nothing arrived for `idle_s` (lets SSE writers send keep-alives)."""
+
+OUTAGE_S = 30.0
+"""How long `follow` waits for an unreachable Redis before it gives up (raises the connection error)."""
+
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)  # BusyLoadingError (a restart reading its AOF) is one
 
 
 class EventHub:
@@ -95,16 +102,19 @@ def follow(
     after_id: int = 0,
     idle_s: float = 1.0,
     on_idle: Callable[[], None] | None = None,
+    outage_s: float = OUTAGE_S,
 ) -> Iterator[dict]:
     """Yield the job's events with id > after_id, in order, ending after the terminal event.
 
     Every `idle_s` without an event it re-reads the log (to recover anything pub/sub missed),
-    calls `on_idle` (which may publish an error event, or raise), and yields IDLE.
+    calls `on_idle` (which may publish an error event, or raise), and yields IDLE. While Redis is
+    unreachable it yields IDLE and retries; past `outage_s` of it the connection error is raised.
     """
     connection = hub.connection
+    outage = _Outage(outage_s)
     with hub.listen(job_id) as live:
         last = after_id
-        pending = read_log(connection, job_id, last)
+        pending = outage.attempt(read_log, connection, job_id, last) or []
         while True:
             for event in pending:
                 if event["id"] <= last:
@@ -113,15 +123,37 @@ def follow(
                 yield event
                 if event["type"] in TERMINAL:
                     return
-            pending = _next_batch(live, connection, job_id, last, idle_s)
+            pending = outage.attempt(_next_batch, live, connection, job_id, last, idle_s) or []
             if not pending:
                 if on_idle is not None:
-                    on_idle()
-                pending = read_log(connection, job_id, last)
+                    outage.attempt(on_idle)
+                pending = outage.attempt(read_log, connection, job_id, last) or []
                 if not pending:
-                    if has_ended(connection, job_id):
+                    if outage.attempt(has_ended, connection, job_id):
                         return  # the reader had already seen the terminal event: nothing more will come
                     yield IDLE
+
+
+class _Outage:
+    """Runs a reader's Redis calls; one that finds Redis unreachable returns None, until `bound_s` of that."""
+
+    def __init__(self, bound_s: float):
+        self.bound_s = bound_s
+        self.since: float | None = None
+
+    def attempt(self, call: Callable, *args):
+        """`call(*args)`, or None while Redis is unreachable (re-raised once it has been for bound_s)."""
+        try:
+            value = call(*args)
+        except REDIS_DOWN:
+            now = time.monotonic()
+            self.since = self.since or now
+            if now - self.since > self.bound_s:
+                raise
+            log.info("Redis unreachable for %.1fs while following a job; retrying", now - self.since)
+            return None
+        self.since = None
+        return value
 
 
 def _next_batch(live: queue.Queue, connection, job_id: str, last: int, idle_s: float) -> list[dict]:

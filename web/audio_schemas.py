@@ -211,6 +211,8 @@ class JobAcceptedSchema(Schema):
     object = fields.String(dump_default="job")
     status = fields.String()
     links = fields.Nested(LinksSchema)
+    warning = fields.String(metadata={"description": "Present when no MLX worker is running: the job waits "
+                                                     "in the queue until one starts"})
 
 
 class JobSchema(Schema):

@@ -1,4 +1,10 @@
-"""Running a synchronous call as a job: enqueue it, then wait for its result or stream its events."""
+"""Running a synchronous call as a job: enqueue it, then wait for its result or stream its events.
+
+A call that no live worker can take is refused (503 `no_worker`, web/routing.py), and one whose
+workers all went away while it waited in the queue is taken out of it and answered the same way.
+A short Redis outage is ridden out (jobs/subscriber.py replays what was published meanwhile); a
+longer one ends the wait with 503 `queue_unavailable`, an error event in a stream.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +14,19 @@ import socket
 import time
 from typing import Callable, Iterator
 
+import redis
 from flask import Response, g, request
+from rq.job import JobStatus
 
 from jobs import queues, records, spool
 from jobs.contract import Request, to_payload
 from jobs.events import DONE, ERROR
-from jobs.lifecycle import fail_if_orphaned, request_cancel
-from jobs.subscriber import IDLE, follow
+from jobs.lifecycle import end, fail_if_orphaned, request_cancel
+from jobs.queues import fetch_job
+from jobs.subscriber import IDLE, REDIS_DOWN, follow
 from web.auth import caller
 from web.errors import APIError
-from web.routing import queue_for
+from web.routing import any_worker_live, any_worker_takes, no_worker, queue_for
 from web.services import Services, services
 from web.sse import SSE_HEADERS, sse_comment, sse_data
 
@@ -28,6 +37,16 @@ KEEPALIVE_S = 5.0
 
 CLIENT_CHECK_S = 1.0
 """How often a non-streamed call looks whether its client is still connected."""
+
+RETRY_AFTER_S = 5
+"""The Retry-After of a 503 (no worker, Redis away, the worker shutting down)."""
+
+NO_WORKER_NOTE = "No MLX worker is running now: the job waits in the queue until one starts."
+"""What an async job's answer says when it was queued with no live worker."""
+
+QUEUE_UNAVAILABLE = {"status": 503, "code": "queue_unavailable",
+                     "message": "The queue (Redis) became unreachable while this call waited; retry later."}
+"""The error event of a stream whose wait outlasted a Redis outage (jobs.subscriber.OUTAGE_S)."""
 
 
 def submit(request: Request, func: str, description: str, queue: str = queues.INTERACTIVE,
@@ -48,9 +67,10 @@ def submit(request: Request, func: str, description: str, queue: str = queues.IN
 
 
 def submit_async(request: Request, kind: str, fields: dict, func: str, description: str, timeout_s: int,
-                 meta: dict) -> None:
+                 meta: dict) -> str | None:
     """An async job: create its record (owned by the caller), then enqueue it on `batch` (or the model's
-    own batch queue); the record says failed if that is refused."""
+    own batch queue); the record says failed if that is refused. Returns a note for the client when no
+    worker is live to take it (it waits for one), else None."""
     svc = services()
     records.create(svc.redis, svc.settings, request.id, kind, {**fields, "owner": caller().owner})
     try:
@@ -59,13 +79,16 @@ def submit_async(request: Request, kind: str, fields: dict, func: str, descripti
         records.set_status(svc.redis, svc.settings, request.id, "failed",
                            error={"message": f"Not enqueued: {exc}", "code": "not_enqueued", "status": 503})
         raise
+    return None if any_worker_live(svc) else NO_WORKER_NOTE
 
 
 def _events(svc: Services, job_id: str, deadline: float) -> Iterator[dict]:
-    """Follow the job's events, failing it when its worker died; IDLE past the deadline raises 504."""
+    """Follow the job's events, failing it when its worker died or no worker is left to take it; IDLE
+    past the deadline raises 504."""
 
     def on_idle():
-        fail_if_orphaned(svc.redis, svc.settings, job_id)
+        if not fail_if_orphaned(svc.redis, svc.settings, job_id):
+            fail_if_unserved(svc, job_id)
 
     for event in follow(svc.hub, job_id, on_idle=on_idle):
         if event is IDLE and time.monotonic() > deadline:
@@ -74,10 +97,28 @@ def _events(svc: Services, job_id: str, deadline: float) -> Iterator[dict]:
         yield event
 
 
+def fail_if_unserved(svc: Services, job_id: str) -> bool:
+    """End a call still queued that no live worker takes (503 `no_worker`); True if so.
+
+    It is taken out of its queue too: a worker that starts later must not spend itself on an
+    answer nobody waits for.
+    """
+    job = fetch_job(svc.redis, job_id)
+    if job is None or job.get_status(refresh=False) != JobStatus.QUEUED or any_worker_takes(svc, job.origin):
+        return False
+    log.info("no live worker takes %s from %s; ending it", job_id, job.origin)
+    request_cancel(svc.redis, job_id, svc.settings.result_ttl_s)
+    gone = no_worker()
+    return end(svc.redis, svc.settings, job_id, has_record=False,
+               error={"message": gone.message, "code": gone.code, "status": gone.status})
+
+
 def error_from_event(data: dict) -> APIError:
-    """Turn a worker's error event into the APIError the client sees."""
+    """Turn a worker's error event into the APIError the client sees (a 503 says when to retry)."""
     status = int(data.get("status") or 500)
-    return APIError(status, data.get("message", "The job failed."), data.get("code"), data.get("param"))
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 503 else None
+    return APIError(status, data.get("message", "The job failed."), data.get("code"), data.get("param"),
+                    headers=headers)
 
 
 def wait_for_result(job_id: str) -> dict:
@@ -116,6 +157,14 @@ def client_gone() -> bool:
         return True
 
 
+def _cancel_quietly(svc: Services, job_id: str) -> None:
+    """Ask for the job to stop; with Redis away nothing can be asked (it expires with its timeout)."""
+    try:
+        request_cancel(svc.redis, job_id, svc.settings.result_ttl_s)
+    except redis.RedisError as exc:
+        log.warning("could not cancel %s: %s", job_id, exc)
+
+
 def stream_response(job_id: str, render: Callable[[dict], Iterator[str]], on_error: Callable[[dict], str],
                     trailer: str | None = "[DONE]") -> Response:
     """An SSE response: `render` frames each worker event; a disconnect cancels the job."""
@@ -144,10 +193,13 @@ def stream_response(job_id: str, render: Callable[[dict], Iterator[str]], on_err
         except APIError as exc:
             finished = True
             yield on_error({"status": exc.status, "message": exc.message, "code": exc.code, **exc.extra})
+        except REDIS_DOWN as exc:  # away past follow's bound: say so, and end the stream properly
+            log.warning("stream of %s: Redis unreachable (%s)", job_id, exc)
+            yield on_error(QUEUE_UNAVAILABLE)
         finally:
-            if not finished:  # the client went away: stop spending the GPU on it
-                log.info("client left the stream of %s; canceling it", job_id)
-                request_cancel(svc.redis, job_id, svc.settings.result_ttl_s)
+            if not finished:  # the client went away (or Redis did): stop spending the GPU on it
+                log.info("stream of %s ended early; canceling it", job_id)
+                _cancel_quietly(svc, job_id)
         if trailer:
             yield sse_data(trailer)
 

@@ -44,9 +44,11 @@ def _links(job_id: str) -> dict:
             "result": url_for("jobs.job_result", job_id=job_id)}
 
 
-def _accepted(job_id: str):
-    """The 202 answer to a submission, with a Location header."""
+def _accepted(job_id: str, warning: str | None):
+    """The 202 answer to a submission, with a Location header (and a warning when no worker is live)."""
     body = {"id": job_id, "object": "job", "status": "queued", "links": _links(job_id)}
+    if warning:
+        body["warning"] = warning
     return body, 202, {"Location": body["links"]["self"]}
 
 
@@ -77,10 +79,10 @@ def create_transcription(form):
               "webhook_url": form["webhook_url"], "params": params}
     meta = {"kind": "transcription", "model": request.model.id, "filename": upload.filename,
             "duration_s": duration_s, "bytes": upload.size}
-    submit_async(request, "transcription", fields, queues.TRANSCRIPTION,
-                        intake.describe_audio(upload, audio, request),
-                        timeout_s=max(3600, int(duration_s * 3) + 600), meta=meta)
-    return _accepted(request.id)
+    warning = submit_async(request, "transcription", fields, queues.TRANSCRIPTION,
+                           intake.describe_audio(upload, audio, request),
+                           timeout_s=max(3600, int(duration_s * 3) + 600), meta=meta)
+    return _accepted(request.id, warning)
 
 
 @blp.route("/chat/completions", methods=["POST"])
@@ -91,9 +93,9 @@ def create_chat(body):
     """Submit an async chat completion; its result is a chat.completion object."""
     request = intake.chat_request(body, queues.new_job_id("job"), is_async=True)
     fields = {"model": request.model.id, "metadata": body["metadata"] or {}, "webhook_url": body["webhook_url"]}
-    submit_async(request, "chat", fields, intake.chat_func(request), f"chat {request.model.id} (async)",
-                        timeout_s=CHAT_TIMEOUT_S, meta={"kind": "chat", "model": request.model.id})
-    return _accepted(request.id)
+    warning = submit_async(request, "chat", fields, intake.chat_func(request), f"chat {request.model.id} (async)",
+                           timeout_s=CHAT_TIMEOUT_S, meta={"kind": "chat", "model": request.model.id})
+    return _accepted(request.id, warning)
 
 
 @blp.route("", methods=["GET"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import redis
 
+from tests import worker_heartbeat
 from tests.conftest import free_port
 from web.app import create_app
 
@@ -118,10 +119,11 @@ def test_redis_unreachable_is_503_with_retry_after():
 
 
 def test_queue_over_its_limit_is_503_and_the_refused_job_leaves_no_trace(redis_url):
-    # Database 6 has no worker draining it: the first job stays queued (its caller gets a 504).
+    # Database 6 has no worker draining it, only a heartbeat: the first job stays queued (its caller gets a 504).
     url = redis_url.rsplit("/", 1)[0] + "/6"
     conn = redis.Redis.from_url(url)
     conn.flushdb()
+    worker_heartbeat.beat(conn)
     client = create_app({"redis_url": url, "max_queued": 1, "sync_timeout_s": 0.2}).test_client()
     first = client.post("/v1/chat/completions", json={"model": MODEL, "messages": QUESTION})
     queued = assert_envelope(first, 504, code="timeout")["error"]["job_id"]
@@ -136,9 +138,10 @@ def test_queue_over_its_limit_is_503_and_the_refused_job_leaves_no_trace(redis_u
 
 
 def test_sync_call_past_its_limit_is_504_with_job_id(redis_url):
-    # Database 5 has no worker draining it, so the job waits in its queue past the 1 s limit.
+    # Database 5 has no worker draining it, only a heartbeat, so the job waits in its queue past the 1 s limit.
     url = redis_url.rsplit("/", 1)[0] + "/5"
     redis.Redis.from_url(url).flushdb()
+    worker_heartbeat.beat(redis.Redis.from_url(url))
     client = create_app({"redis_url": url, "sync_timeout_s": 1}).test_client()
     response = client.post("/v1/chat/completions", json={"model": MODEL, "messages": QUESTION})
     body = assert_envelope(response, 504, code="timeout")
