@@ -218,6 +218,9 @@ def test_two_instances_on_one_machine_keep_their_own_redis(bare_env, tmp_path):
         dirs = [Path(redis.Redis.from_url(url).config_get("dir")["dir"]) for url in (url_a, url_b)]
         home = tmp_path / "mlxq" / "redis"
         assert dirs == [home / str(urlsplit(url_a).port), home / str(urlsplit(url_b).port)]
+        base = str(api_a.base_url).rstrip("/")  # the banner names this instance's page and Swagger UI
+        banner = (tmp_path / "up-a.log").read_text()
+        assert f"Page        {base}/\n" in banner and f"Swagger UI  {base}/docs\n" in banner, banner
     finally:
         for up, api, _ in instances:
             api.close()
