@@ -69,13 +69,14 @@ def webhook_worker_argv(redis_url: str) -> list[str]:
 @click.option("--web-workers", default=2, show_default=True, type=int)
 def up(host, port, web_workers):
     """Run everything: Redis (if none answers), web, the MLX worker and the webhook worker."""
-    from mlxq.devstack import Stack, port_problem
+    from mlxq.devstack import Stack, describe_port_problem, port_problem
 
     # Before anything starts: a taken port would otherwise show a banner for someone else's server.
     problem = port_problem(host, port)
     if problem:
-        raise click.ClickException(f"cannot listen on {host}:{port}: {problem} (another mlxq or another server "
-                                   "has it). Pick another port: `mlxq up --port PORT` or `make run PORT=PORT`.")
+        raise click.ClickException(f"cannot listen on {host}:{port}: {describe_port_problem(problem)} (another "
+                                   "mlxq or another server may have it). Pick another port: `mlxq up --port PORT` "
+                                   "or `make run PORT=PORT`.")
     settings = load_settings()
     stack = Stack(log=lambda line: click.echo(f"[mlxq up] {line}", err=True))
     redis_url = stack.ensure_redis(settings, settings.models_dir.parent / "redis")

@@ -11,6 +11,7 @@ stops them all (TERM, then KILL after a grace period), so no orphan outlives `ml
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import os
 import shutil
@@ -74,16 +75,22 @@ def redis_argv(port: int, data_dir: Path, bind: str = "127.0.0.1") -> list[str]:
             "--appendonly", "yes", "--appendfsync", "everysec"]
 
 
-def port_problem(host: str, port: int) -> str | None:
-    """Why nothing of ours could listen on host:port right now (e.g. 'Address already in use'), or None.
+def port_problem(host: str, port: int) -> OSError | None:
+    """Why nothing of ours could listen on host:port right now (errno EADDRINUSE: taken), or None.
 
     Bound as gunicorn and Redis bind (SO_REUSEADDR), so a port held only by connections closing
     (TIME_WAIT) counts as free, and one another server listens on, on any address, as taken."""
     try:
-        socket.create_server((host, port)).close()
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]  # an IPv6 host needs AF_INET6
+        socket.create_server((host, port), family=family).close()
     except OSError as exc:
-        return exc.strerror or str(exc)
+        return exc
     return None
+
+
+def describe_port_problem(problem: OSError) -> str:
+    """'taken' for a port in use, else the error's own words."""
+    return "taken" if problem.errno == errno.EADDRINUSE else (problem.strerror or str(problem))
 
 
 def lock_data_dir(data_dir: Path) -> int:
@@ -185,7 +192,7 @@ class Stack:
         problem = port_problem(bind, port)
         if problem:
             raise SystemExit(f"redis: nothing answers at {url} (REDIS_URL), yet port {port} cannot be listened "
-                             f"on ({problem}): something has it that does not answer as a Redis at that URL would (another "
+                             f"on ({describe_port_problem(problem)}): something has it that does not answer as a Redis at that URL would (another "
                              "server, or a Redis with another password). Name a free port in REDIS_URL.")
         data_dir = redis_home / str(port)
         lock = lock_data_dir(data_dir)

@@ -130,7 +130,7 @@ def test_up_refuses_a_taken_port_before_starting_anything(bare_env, tmp_path):
                               capture_output=True, text=True, timeout=60)
     assert done.returncode == 1, done.stderr
     assert time.monotonic() - started < 30
-    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "--port" in done.stderr, done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}: taken" in done.stderr and "--port" in done.stderr, done.stderr
     assert "make run PORT=" in done.stderr and "mlxq is starting" not in done.stdout
     assert not redis_answers(bare_env["REDIS_URL"]) and not (tmp_path / "mlxq" / "redis").exists()
 
