@@ -24,7 +24,7 @@ from jobs.model_files import is_multilingual
 from jobs.store import ModelInfo, ModelNotFound, resolve
 from web.audio_check import check_audio
 from web.errors import APIError
-from web.media_parts import media_parts, spool_parts
+from web.media_parts import check_text_size, media_parts, spool_parts
 from web.services import services
 from web.structured import answer_schema, grammar_for
 from web.tools import ToolPlan, chat_choice, chat_tools, plan
@@ -99,6 +99,7 @@ def chat_request(body: dict, job_id: str, is_async: bool = False) -> TextRequest
     against the model first (nothing is fetched for a model that cannot use it), then spooled. Tools
     come as chat's `tools`/`tool_choice`, or already checked from another API (`tool_list`/`tool_mode`).
     """
+    check_text_size(body["messages"], services().settings)
     info = resolve_model(body["model"], ("text", "vision"))
     messages = [_message(m, i) for i, m in enumerate(body["messages"])]
     tools = tool_plan(body, info)

@@ -35,6 +35,9 @@ EXTENSIONS = {"JPEG": "jpg", "PNG": "png", "GIF": "gif", "WEBP": "webp", "BMP": 
 AUDIO_BODY_BYTES = 25 * MIB
 """Room in a chat request body for the base64 of its input_audio parts (see chat_body_limit)."""
 
+MEDIA_PARTS_SLACK = 256
+"""Media parts whose own quotes and comma (two quotes, a data URL's comma) the early size check allows for."""
+
 _AUDIO_EXTENSION = re.compile(r"^[a-z0-9]{1,8}$")
 
 
@@ -205,6 +208,23 @@ def _spool_audio(audio: dict, where: tuple[int, int], stem: Path, settings) -> S
     return SpooledPart("audio", *where, path, info.container, len(data), duration_s=info.duration_s)
 
 
+def check_text_size(messages: list[dict], settings) -> None:
+    """413 for a chat body whose text alone passes max_body_kb: only image and audio data get more room."""
+    data = [part["image_url"]["url"] if part["type"] == "image_url" else part["input_audio"]["data"]
+            for _, _, part in media_parts(messages)]
+    # In the body, base64's slashes may have been written escaped ("\/"): count each as two bytes.
+    _refuse_text_over(len(request.get_data(cache=True)) - sum(len(text) + text.count("/") for text in data),
+                      settings)
+
+
+def _refuse_text_over(size: int, settings) -> None:
+    """413 when `size` (bytes of a chat body that are not image or audio data) passes max_body_kb."""
+    limit = settings.max_body_kb * 1024
+    if size > limit:
+        raise APIError(413, f"Request body too large: besides its image and audio data, a chat body may have at "
+                            f"most {limit} bytes (MLXQ_MAX_BODY_KB).", "request_too_large")
+
+
 def chat_body_limit(settings) -> int:
     """The largest chat request body, in bytes: max_body_kb, plus max_images_mb as base64 (4/3 of it),
     plus a fixed 25 MiB (AUDIO_BODY_BYTES) of base64 for input_audio parts, about 18.7 MiB of audio."""
@@ -215,16 +235,25 @@ def accepts_media_parts(view):
     """Decorate a chat view: its body may be chat_body_limit bytes (above that 413, before reading).
 
     Put it under `@blp.route` and above `@blp.arguments`, so the limit is set before the body is parsed.
+    A body larger than max_body_kb is looked at before it is parsed: its image and audio data (base64)
+    hold no commas or quotes, so more of those than max_body_kb is text or structure beyond the limit,
+    refused at C speed. Parsing it would hold the process's event loop (every other request it serves)
+    for seconds; intake then checks the text's size exactly (check_text_size).
     """
 
     @functools.wraps(view)
     def wrapper(*args, **kwargs):
-        limit = chat_body_limit(services().settings)
+        settings = services().settings
+        limit = chat_body_limit(settings)
         # Flask 3.1: a per-request limit, replacing the app-wide MAX_CONTENT_LENGTH for this request only.
         # A chunked body is cut off by werkzeug when it passes it.
         request.max_content_length = limit
         if request.content_length is not None and request.content_length > limit:
             raise APIError(413, f"Request body too large (limit {limit} bytes).", "request_too_large")
+        if request.content_length is None or request.content_length > settings.max_body_kb * 1024:
+            body = request.get_data(cache=True)
+            if len(body) > settings.max_body_kb * 1024:
+                _refuse_text_over(body.count(b",") + body.count(b'"') - 3 * MEDIA_PARTS_SLACK, settings)
         return view(*args, **kwargs)
 
     return wrapper

@@ -316,3 +316,43 @@ def test_a_system_that_is_not_text_is_a_400_naming_it(client, system, param):
 def test_a_text_block_whose_text_is_not_a_string_is_a_400_naming_it(client):
     body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}
     assert _message_error(client.post("/v1/messages", json=body), 400).startswith("messages.0.content.0.text: ")
+
+
+# --- the room a chat body has for images and audio is for images and audio (issue 29) ----------------
+
+def _png_data_url(size: int) -> str:
+    """A data URL of `size` bytes of base64 (not a valid image: the model check refuses it first)."""
+    return "data:image/png;base64," + "A" * size
+
+
+@pytest.fixture()
+def small_bodies(settings, redis_conn):
+    """The app with a 64 KiB body limit (MLXQ_MAX_BODY_KB); chat bodies get more room only for media."""
+    return create_app(settings.with_overrides(max_body_kb=64, sync_timeout_s=0.2)).test_client()
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hello world " * 20_000}]}),
+    ("/v1/responses", {"model": MODEL, "input": "hello world " * 20_000}),
+    ("/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "x" * 300_000}]}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": _png_data_url(300_000)}}, {"type": "text", "text": "y" * 70_000}]}]}),
+])
+def test_text_beyond_the_body_limit_is_a_413_even_where_images_get_room(small_bodies, path, body):
+    response = small_bodies.post(path, json=body)
+    assert response.status_code == 413, response.get_data(as_text=True)
+    assert "MLXQ_MAX_BODY_KB" in response.get_data(as_text=True)
+
+
+def test_images_keep_their_room_beyond_the_body_limit(small_bodies):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": _png_data_url(300_000)}}, {"type": "text", "text": "y" * 1000}]}]}
+    error = error_of(small_bodies.post("/v1/chat/completions", json=body), 400)
+    assert error["code"] == "image_not_supported"  # past the size checks: the text model cannot see it
+
+
+def test_a_big_body_of_many_small_values_is_refused_before_it_is_parsed(small_bodies):
+    values = "[" + ",".join(["0"] * 200_000) + "]"  # JSON that would take seconds to walk and validate
+    text = f'{{"model": "{MODEL}", "messages": {values}, "oops"'  # and not even valid JSON at the end
+    error = error_of(post_raw(small_bodies, "/v1/chat/completions", text), 413)
+    assert error["code"] == "request_too_large"
