@@ -6,6 +6,7 @@ Each test is the regression test of a finding of the fuzzing and fault probes (i
 from __future__ import annotations
 
 import io
+import json
 import shutil
 import socket
 import threading
@@ -133,3 +134,35 @@ def test_a_sync_transcription_killed_by_its_timeout_leaves_no_upload_behind(serv
     terminal = _terminal(conn, job_id, timeout=60)
     assert terminal["type"] == "error" and terminal["data"]["code"] == "job_timeout"
     assert not spooled.exists()
+
+
+# --- issue 29's probe findings, over real HTTP ----------------------------------------------------
+
+QUICK = [{"role": "user", "content": "Say hi."}]
+
+
+def _nested(depth: int):
+    """A JSON value `depth` levels deep (arrays in arrays)."""
+    value = 1
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("encoding", ["utf-8", "utf-16", "utf-32"])
+def test_a_body_nested_one_under_the_limit_or_in_utf16_gets_a_prompt_answer(api, encoding):
+    body = {"model": MODEL, "messages": QUICK, "max_tokens": 1, "extra": _nested(30)}  # the body: 31 levels
+    started = time.monotonic()
+    response = api.post("/v1/chat/completions", content=json.dumps(body).encode(encoding),
+                        headers={"Content-Type": "application/json"}, timeout=30)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 1 and time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_megabytes_of_text_in_a_chat_are_refused_before_the_worker_sees_them(api, stream):
+    body = {"model": MODEL, "stream": stream, "messages": [{"role": "user", "content": "hello world " * 700_000}]}
+    started = time.monotonic()
+    response = api.post("/v1/chat/completions", json=body, timeout=30)  # 8.4 MB: under the room for images
+    assert response.status_code == 413, response.text
+    assert response.json()["error"]["code"] == "request_too_large" and time.monotonic() - started < 10
