@@ -72,7 +72,12 @@ class Settings:
     """A worker whose liveness key is older than this is considered dead."""
 
     memory_budget_mb: int = 0
-    """Memory the worker may fill with resident models (0: 70% of RAM / GPU memory)."""
+    """Memory the worker may fill with resident models, their KV caches and MLX's buffer cache (0: 70% of RAM /
+    GPU memory)."""
+
+    cache_limit_mb: int = -1
+    """Most memory MLX keeps in its cache of freed buffers for reuse, in MiB, taken from memory_budget_mb
+    (-1: a sixteenth of the budget; 0: no cache). The worker also empties it whenever it goes idle."""
 
     max_batch: int = 0
     """Most text requests decoding together in the worker (0: the worker's measured default for its

@@ -29,7 +29,7 @@ from jobs.lifecycle import liveness_value
 from jobs.queues import worker_queue_names
 from jobs.settings import Settings, load_settings
 from jobs.store import ModelNotFound, resolve
-from workers import platform, process_setup, rqjobs, worker_metrics
+from workers import memory, platform, process_setup, rqjobs, worker_metrics
 from workers.backends.control import public_models
 from workers.recovery import clean_spool, recover
 
@@ -86,10 +86,16 @@ def build_scheduler(settings: Settings, name: str, info: platform.PlatformInfo |
     from workers.scheduler import Scheduler
 
     info = info or platform.detect()
+    budget = memory_budget_bytes(settings.memory_budget_mb, info.backend)
+    try:
+        cache = memory.cache_limit_bytes(settings.cache_limit_mb, budget)
+    except ValueError as exc:
+        raise SystemExit(f"mlxq worker: {exc}") from None
+    memory.limit_cache(cache)
     backends = default_backends()
     loaders = {backend.model_kind: backend.load for backend in backends.values() if backend.model_kind}
     conn = get_redis(settings.redis_url, patient=True)
-    models = ModelManager(memory_budget_bytes(settings.memory_budget_mb, info.backend), info, loaders,
+    models = ModelManager(budget, info, loaders, cache_bytes=cache,
                           on_load=lambda resident: worker_metrics.model_loaded(conn, resident))
     return Scheduler(conn, settings, models, backends, name, burst=burst,
                      max_batch=settings.max_batch or default_max_batch(info.backend),
@@ -128,6 +134,7 @@ class Heartbeat:
         self._next_recovery = self._next_spool_clean = 0.0
         self.started_at = int(time.time())
         self.device = getattr(getattr(scheduler.models, "platform", None), "backend", None)
+        self.idle_release = memory.IdleRelease()  # freed memory goes back when the work is done
 
     def start(self) -> "Heartbeat":
         """Beat once now, then every settings.worker_heartbeat_s."""
@@ -158,7 +165,9 @@ class Heartbeat:
         return {"host": socket.gethostname(), "pid": os.getpid(), "started_at": self.started_at,
                 "serves": self.scheduler.serves, "queues": list(self.scheduler.queues),
                 "device": self.device, "budget_bytes": models.budget_bytes,
-                "used_bytes": sum(m["bytes"] for m in models.snapshot), "models": public_models(models.snapshot),
+                "used_bytes": models.cache_bytes + sum(m["bytes"] for m in models.snapshot),
+                "cache_limit_bytes": models.cache_bytes, "memory": memory.figures(),
+                "models": public_models(models.snapshot),
                 "jobs": [{"id": t.run.job_id, "kind": getattr(t.request, "kind", None), "queue": t.lane,
                           "model": getattr(getattr(t.request, "model", None), "id", None),
                           "running_s": round(time.monotonic() - t.started, 3)} for t in active]}
@@ -171,6 +180,7 @@ class Heartbeat:
             rqjobs.heartbeat(task.job, task.execution)
         self.rq_worker.heartbeat()
         self.rq_worker.set_state("busy" if active else "idle")
+        self.idle_release.beat(bool(active))
         workers.write_state(self.conn, self.scheduler.name, self.state(active), self.settings.worker_dead_after_s)
         now = time.monotonic()
         if now >= self._next_recovery:

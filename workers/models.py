@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs.errors import InvalidRequest, JobError, ModelTooLarge
+from workers import memory
 from workers.platform import PlatformInfo
 
 log = logging.getLogger(__name__)
@@ -141,11 +142,16 @@ def params_nbytes(model) -> int:
 
 
 class ModelManager:
-    """Resident models within a byte budget (LRU eviction); one loader per model kind."""
+    """Resident models within a byte budget (LRU eviction); one loader per model kind.
+
+    The budget holds the models, the KV caches (workers/backends/textbatch.py takes what is left) and MLX's
+    buffer cache, whose limit (`cache_bytes`) is set aside from the start: freed buffers may fill it at any time.
+    """
 
     def __init__(self, budget_bytes: int, platform: PlatformInfo, loaders: dict[str, Loader],
-                 on_load: Callable[[Resident], None] | None = None):
+                 on_load: Callable[[Resident], None] | None = None, cache_bytes: int = 0):
         self.budget_bytes = budget_bytes
+        self.cache_bytes = cache_bytes
         self.platform = platform
         self.loaders = loaders
         self.on_load = on_load or (lambda resident: None)  # the worker records a metric
@@ -177,7 +183,7 @@ class ModelManager:
         """(estimated resident bytes, float32?) for a model, from its files only."""
         stats = weight_stats(info.path)
         # float32 is a speed choice only: never let it turn a model that fits into one that does not.
-        float32 = self.platform.use_float32(stats.float32_bytes) and stats.float32_bytes <= self.budget_bytes
+        float32 = self.platform.use_float32(stats.float32_bytes) and stats.float32_bytes <= self.capacity_bytes
         return (stats.float32_bytes if float32 else stats.stored_bytes), float32
 
     def _load(self, info, pinned: set[str]) -> Resident:
@@ -189,9 +195,10 @@ class ModelManager:
             raise JobError(f"Model {info.id!r} is not in the server's store any more.", status=404,
                            code="model_not_found", param="model")
         needed, float32 = self.plan(info)
-        if needed > self.budget_bytes:
+        if needed > self.capacity_bytes:
             raise ModelTooLarge(f"model {info.id!r} needs about {needed / 2**20:.0f} MiB but the worker's "
-                                f"memory budget is {self.budget_bytes / 2**20:.0f} MiB")
+                                f"memory budget is {self.budget_bytes / 2**20:.0f} MiB, "
+                                f"{self.cache_bytes / 2**20:.0f} MiB of it for MLX's buffer cache")
         self._make_room(needed, pinned)
         start = time.perf_counter()
         model, processor = loader(Path(info.path), float32)
@@ -254,9 +261,14 @@ class ModelManager:
     def _changed(self) -> None:
         self.snapshot = self.list()
 
+    @property
+    def capacity_bytes(self) -> int:
+        """What the budget leaves for models and KV caches once MLX's buffer cache has its share."""
+        return self.budget_bytes - self.cache_bytes
+
     def used_bytes(self) -> int:
-        """Bytes held by resident models."""
-        return sum(r.nbytes for r in self._models.values())
+        """Bytes of the budget taken: resident models and MLX's buffer cache (its limit)."""
+        return self.cache_bytes + sum(r.nbytes for r in self._models.values())
 
     def list(self) -> list[dict]:
         """Resident models, least recently used first (for logs and admin views)."""
@@ -265,8 +277,6 @@ class ModelManager:
 
 
 def _free_memory() -> None:
-    """Return freed model memory: drop Python references first, then MLX's buffer cache."""
-    import mlx.core as mx
-
+    """Return freed model memory: drop Python references first, then MLX's buffer cache and malloc's free pages."""
     gc.collect()
-    mx.clear_cache()
+    memory.release()

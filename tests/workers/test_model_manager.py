@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.errors import JobError
+from jobs.errors import JobError, ModelTooLarge
 from workers.models import ModelManager
 
 MIB = 2**20
@@ -68,3 +68,19 @@ def test_each_load_is_reported_once(manager, refs):
     manager.get(refs[0])
     manager.get(refs[0])
     assert [r.info.id for r in loaded] == ["a"]
+
+
+def test_mlx_buffer_cache_is_counted_in_the_budget(manager, refs):
+    """With 1 MiB of a 3 MiB budget set aside for MLX's buffer cache, two 1 MiB models fit, not three; the
+    KV caches get what is left (budget - used), and a model larger than budget - cache is refused up front."""
+    manager.cache_bytes = MIB
+    a, b, c, _ = refs
+    assert manager.used_bytes() == MIB and manager.capacity_bytes == 2 * MIB
+    manager.get(a)
+    manager.get(b)
+    assert manager.used_bytes() == 3 * MIB
+    manager.get(c)  # no room beside the cache: a goes
+    assert [m["id"] for m in manager.snapshot] == ["b", "c"] and manager.used_bytes() == 3 * MIB
+    manager.plan = lambda info: (int(2.5 * MIB), False)  # fits the budget, not the budget less the cache
+    with pytest.raises(ModelTooLarge, match="for MLX's buffer cache"):
+        manager.get(refs[3])
