@@ -2,8 +2,8 @@
 
 Workers (any number, on any machine) add to counters and histograms held in Redis hashes, so every
 worker's counts add up and the web tier exposes them without importing MLX; a scrape also reads
-live figures from Redis: queue depths, the oldest waiting job's age, live workers and their
-resident models (from the state each worker writes with its heartbeat, jobs.workers).
+live figures from Redis: queue depths, the oldest waiting job's age, live workers, their resident
+models and memory (from the state each worker writes with its heartbeat, jobs.workers).
 
 Storage: one hash per metric, `mlxq:metrics:<name>`; a field is the JSON list of the label values,
 then `|v` (a counter), `|sum`, `|count` or `|le=<bound>` (a histogram bucket, not cumulative).
@@ -47,6 +47,18 @@ AUDIO_SECONDS = Metric("mlxq_audio_seconds_transcribed_total", "counter", "Secon
 MODEL_LOAD = Metric("mlxq_model_load_seconds", "histogram", "Model loads (the count) and how long each took",
                     ("model",))
 METRICS = (QUEUE_WAIT, JOB_DURATION, TIME_TO_FIRST_TOKEN, GENERATED_TOKENS, AUDIO_SECONDS, MODEL_LOAD)
+
+WORKER_MEMORY = {
+    "rss_bytes": ("mlxq_worker_resident_memory_bytes", "A worker process's resident memory (RSS)"),
+    "rss_peak_bytes": ("mlxq_worker_resident_memory_peak_bytes", "A worker process's highest resident memory"),
+    "mlx_active_bytes": ("mlxq_worker_mlx_active_bytes", "Bytes of MLX arrays alive in a worker"),
+    "mlx_cache_bytes": ("mlxq_worker_mlx_cache_bytes", "Bytes of freed buffers MLX keeps for reuse in a worker"),
+    "mlx_peak_bytes": ("mlxq_worker_mlx_peak_bytes", "Most bytes of MLX arrays alive at once in a worker"),
+    "cache_limit_bytes": ("mlxq_worker_mlx_cache_limit_bytes", "The bound on a worker's MLX buffer cache"),
+    "budget_bytes": ("mlxq_worker_memory_budget_bytes", "A worker's memory budget (models, KV caches, MLX's cache)"),
+    "used_bytes": ("mlxq_worker_memory_used_bytes", "A worker's budget taken by resident models and MLX's cache"),
+}
+"""Gauges read from each live worker's state (its heartbeat's memory figures and budget): field -> (name, help)."""
 
 
 def metric_key(metric: Metric) -> str:
@@ -100,13 +112,20 @@ class RedisCollector:
         alive = GaugeMetricFamily("mlxq_workers", "Live MLX workers")
         resident = GaugeMetricFamily("mlxq_resident_model_bytes", "Bytes of a model resident in a worker",
                                      labels=["worker", "model"])
+        memory = {field: GaugeMetricFamily(name, text, labels=["worker"])
+                  for field, (name, text) in WORKER_MEMORY.items()}
         states = workers.states(self.conn)
         alive.add_metric([], len(states))
         for state in states:
             for model in state.get("models", []):
                 resident.add_metric([state["name"], model["id"]], model["bytes"])
+            figures = {**state, **state.get("memory", {})}  # a worker of an older version may lack some
+            for field, family in memory.items():
+                if field in figures:
+                    family.add_metric([state["name"]], figures[field])
         yield alive
         yield resident
+        yield from memory.values()
 
 
 def _split(fields: dict) -> dict[tuple, dict[str, float]]:

@@ -39,7 +39,8 @@ class ListSchema(Schema):
 @blp.route("/workers", methods=["GET"])
 @blp.response(200, ListSchema)
 def list_workers():
-    """Live MLX workers: host, device, memory budget and use, resident (and pinned) models, jobs in hand."""
+    """Live MLX workers: host, device, memory budget and use, resident memory and MLX's (active, cached, peak),
+    resident (and pinned) models, jobs in hand."""
     return {"object": "list", "data": workers.states(services().redis)}
 
 
