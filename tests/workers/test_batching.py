@@ -208,7 +208,7 @@ def test_a_request_that_could_never_fit_is_refused_up_front(redis_conn, models_d
     models, backends = worker_parts
     models.load(ref(settings))
     model_mb = next(m["bytes"] for m in models.list() if m["id"] == MODEL) / 2**20
-    tight = settings.with_overrides(memory_budget_mb=math.ceil(model_mb) + 1)
+    tight = settings.with_overrides(memory_budget_mb=math.ceil(model_mb) + 1, cache_limit_mb=0)  # no room for a cache
     small = build_scheduler(tight, "test-tight", burst=True)
     request = chat(settings, QUESTIONS[0], max_tokens=4000)
     submit(redis_conn, settings, request)
