@@ -123,7 +123,7 @@ def follow(
                 yield event
                 if event["type"] in TERMINAL:
                     return
-            pending = outage.attempt(_next_batch, live, connection, job_id, last, idle_s) or []
+            pending = _next_batch(live, outage, connection, job_id, last, idle_s)
             if not pending:
                 if on_idle is not None:
                     outage.attempt(on_idle)
@@ -135,7 +135,8 @@ def follow(
 
 
 class _Outage:
-    """Runs a reader's Redis calls; one that finds Redis unreachable returns None, until `bound_s` of that."""
+    """Runs a reader's Redis calls; one that finds Redis unreachable returns None, until `bound_s` of that
+    (counted from the first call that failed to the last, reset by any call that got through)."""
 
     def __init__(self, bound_s: float):
         self.bound_s = bound_s
@@ -156,7 +157,7 @@ class _Outage:
         return value
 
 
-def _next_batch(live: queue.Queue, connection, job_id: str, last: int, idle_s: float) -> list[dict]:
+def _next_batch(live: queue.Queue, outage: _Outage, connection, job_id: str, last: int, idle_s: float) -> list[dict]:
     """Wait for live events; fall back to the log when an id was skipped (a gap)."""
     try:
         event = live.get(timeout=idle_s)
@@ -170,5 +171,5 @@ def _next_batch(live: queue.Queue, connection, job_id: str, last: int, idle_s: f
             break
     fresh = [e for e in batch if e["id"] > last]
     if fresh and fresh[0]["id"] != last + 1:
-        return read_log(connection, job_id, last)
+        return outage.attempt(read_log, connection, job_id, last) or []
     return fresh
