@@ -23,6 +23,7 @@ from web import (
 from web.auth import register_auth
 from web.dashboard import mount_dashboard
 from web.errors import error_response, register_error_handlers
+from web.headers import register_security_headers
 from web.metrics import register_metrics
 from web.openapi import MlxqApi
 from web.services import Services
@@ -46,6 +47,7 @@ def create_app(settings: Settings | dict | None = None) -> Flask:
     )
     app.extensions["mlxq"] = Services(settings)
     _register_request_id(app)
+    register_security_headers(app)
     _register_body_timeout(app, settings.body_timeout_s)
     register_auth(app)
     register_metrics(app)

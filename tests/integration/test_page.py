@@ -1,14 +1,19 @@
 """mlxq's page in a real headless browser (Debian's chromium through chromedriver) against the real
-service: upload a recording, watch its transcript arrive, download subtitles; chat; Swagger UI."""
+service: upload a recording, watch its transcript arrive, download subtitles; chat; Swagger UI; the
+server's errors shown with no worker running. Every page works under its Content-Security-Policy
+(the browser reports no violation)."""
 
 from __future__ import annotations
 
 import os
 import shutil
 
+import httpx
 import pytest
+import redis
 
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_until
+from tests.integration.conftest import Service
 
 SPEECH = REPO / "tests" / "fixtures" / "speech"
 WAIT_S = 120
@@ -33,6 +38,7 @@ def browser(tmp_path_factory):
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"):
         options.add_argument(flag)
     options.add_experimental_option("prefs", {"download.default_directory": str(downloads)})
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # CSP violations land in the console
     # Not the tests' LD_PRELOAD of OpenBLAS (tests/blas_preload.py): Chromium's renderer dies with it.
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     driver_ = webdriver.Chrome(service=Service(driver, env=env), options=options)
@@ -40,6 +46,31 @@ def browser(tmp_path_factory):
     driver_.downloads = downloads
     yield driver_
     driver_.quit()
+
+
+def _csp_violations(browser) -> list[str]:
+    """The console's Content-Security-Policy complaints since the last call."""
+    return [e["message"] for e in browser.get_log("browser") if "Content Security Policy" in e["message"]]
+
+
+@pytest.fixture(scope="module")
+def web_only(redis_url, models_dir):
+    """The web tier alone (no worker) on a Redis database of its own: no worker's heartbeat in it."""
+    url = redis_url.rsplit("/", 1)[0] + "/7"
+    redis.Redis.from_url(url).flushdb()
+    service = Service(url, models_dir)
+    service.web.start()
+
+    def up() -> bool:
+        assert service.web.alive(), service.web.tail()
+        try:
+            return httpx.get(service.base_url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(up, 60, interval=0.2, what="the web tier")
+    yield service
+    service.web.stop()
 
 
 def _wait(browser, condition, what: str):
@@ -71,6 +102,7 @@ def test_upload_watch_the_transcript_and_download_subtitles(browser, service):
 
     browser.find_element(By.ID, "jobs-refresh").click()
     _wait(browser, lambda b: "succeeded" in b.find_element(By.ID, "jobs-list").text, "the job in the list")
+    assert not _csp_violations(browser)
 
 
 def test_chat_streams_an_answer(browser, service):
@@ -84,6 +116,7 @@ def test_chat_streams_an_answer(browser, service):
     assert "error" not in done[0].get_attribute("class"), done[0].text
     assert done[0].text.strip()  # sampled at the default temperature: any words will do
     assert browser.find_element(By.CSS_SELECTOR, "#chat-log .user").text == "> What is the capital of France?"
+    assert not _csp_violations(browser)
 
 
 def test_swagger_ui_renders_the_api_from_local_assets(browser, service):
@@ -94,3 +127,47 @@ def test_swagger_ui_renders_the_api_from_local_assets(browser, service):
     assert "/v1/chat/completions" in browser.find_element(By.ID, "swagger-ui-container").text
     scripts = [s.get_attribute("src") for s in browser.find_elements(By.TAG_NAME, "script") if s.get_attribute("src")]
     assert scripts and all(src.startswith(service.base_url) for src in scripts)  # no CDN
+    assert not _csp_violations(browser)  # Swagger UI's settings come as JSON data, read by a local script
+
+
+def test_the_dashboard_works_under_its_policy(browser, service):
+    from selenium.webdriver.common.by import By
+
+    browser.get(service.base_url + "/rq/0/view/workers")
+    # Its rows are built by its inline script (allowed by the response's nonce) with underscore's templates.
+    _wait(browser, lambda b: "mlxq-" in b.find_element(By.TAG_NAME, "tbody").text, "the worker's row")
+    assert not _csp_violations(browser)
+
+
+def test_without_a_worker_the_page_shows_the_servers_answers(browser, web_only):
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    browser.get(web_only.base_url + "/")
+    _wait(browser, lambda b: b.find_elements(By.CSS_SELECTOR, "#chat-model option"), "the chat models")
+    browser.find_element(By.ID, "chat-input").send_keys("Hello?")
+    browser.find_element(By.ID, "chat-send").click()
+    done = _wait(browser, lambda b: b.find_elements(By.CSS_SELECTOR, "#chat-log .msg.done"), "the chat's answer")
+    assert "error" in done[0].get_attribute("class")
+    assert "No MLX worker is running" in done[0].text
+
+    # An async transcription is accepted, and the page says that it waits for a worker.
+    Select(browser.find_element(By.ID, "speech-model")).select_by_value("whisper-tiny.en")
+    browser.find_element(By.ID, "audio-file").send_keys(str(SPEECH / "numbers.wav"))
+    browser.find_element(By.ID, "transcribe-start").click()
+    _wait(browser, lambda b: "waits in the queue" in b.find_element(By.ID, "job-status").text, "the job's status")
+    assert not _csp_violations(browser)
+
+
+@pytest.mark.parametrize("path", ["/", "/docs", "/rq/", "/v1/models", "/openapi.json", "/no/such/path"])
+def test_every_response_has_the_security_headers(service, path):
+    response = httpx.get(service.base_url + path, timeout=10)
+    assert response.headers["X-Content-Type-Options"] == "nosniff"
+    assert response.headers["X-Frame-Options"] == "DENY"
+    policy = dict(d.strip().split(" ", 1) for d in response.headers["Content-Security-Policy"].split(";"))
+    assert policy["frame-ancestors"] == "'none'"
+    if response.headers["Content-Type"].startswith("text/html"):
+        assert policy["script-src"].split()[0] == "'self'" and "'unsafe-inline'" not in policy["script-src"]
+        assert policy["connect-src"] == "'self'" and policy["object-src"] == "'none'"
+    else:
+        assert policy["default-src"] == "'none'"

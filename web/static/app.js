@@ -103,7 +103,7 @@ $("transcribe-form").addEventListener("submit", async (event) => {
   $("downloads").hidden = true;
   try {
     const job = await (await api("/v1/jobs/transcriptions", { method: "POST", body: form })).json();
-    $("job-status").textContent = `Job ${job.id} queued.`;
+    $("job-status").textContent = `Job ${job.id} queued.${job.warning ? ` ${job.warning}` : ""}`;
     loadJobs();
     await follow(job);
   } catch (error) {
