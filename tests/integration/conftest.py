@@ -123,6 +123,27 @@ def service(redis_url, models_dir):
     svc.stop()
 
 
+@pytest.fixture(scope="session")
+def web_only(redis_url, models_dir):
+    """The web tier alone, no worker, on a Redis database of its own (no worker's heartbeat in it)."""
+    url = redis_url.rsplit("/", 1)[0] + "/8"
+    redis.Redis.from_url(url).flushdb()
+    svc = Service(url, models_dir)
+    svc.web.start()
+
+    def up() -> bool:
+        if not svc.web.alive():
+            raise AssertionError(f"the web tier died:\n{svc.web.tail()}")
+        try:
+            return httpx.get(svc.base_url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(up, 60, interval=0.2, what="the web tier")
+    yield svc
+    svc.web.stop()
+
+
 @pytest.fixture()
 def api(service):
     """An httpx client on the running API."""

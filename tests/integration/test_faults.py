@@ -1,4 +1,5 @@
-"""Faults: a client leaving mid-stream, the worker killed mid-job, and the web tier's MLX-free imports."""
+"""Faults: a client leaving mid-stream, the worker killed mid-job, no worker at all, and the web tier's
+MLX-free imports."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import threading
 import time
 
 import httpx
+import openai
+import pytest
 import redis
 
 from jobs import keys
@@ -100,6 +103,45 @@ def test_worker_killed_during_sync_call_answers_an_error_within_15s(service):
     assert response.status_code == 500
     assert response.json()["error"]["code"] == "worker_died"
     assert answered_at - started["at"] < 15
+
+
+NO_WORKER_S = 10
+"""How soon a call that no worker can answer must be answered."""
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["sync", "streamed"])
+def test_with_no_worker_a_chat_is_a_503_at_once(web_only, stream):
+    started = time.monotonic()
+    response = httpx.post(web_only.base_url + "/v1/chat/completions", timeout=NO_WORKER_S, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": stream})
+    assert time.monotonic() - started < NO_WORKER_S
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "no_worker" and response.headers["Retry-After"] == "5"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["sync", "streamed"])
+def test_with_no_worker_the_openai_client_gets_the_503(web_only, stream):
+    client = openai.OpenAI(base_url=web_only.base_url + "/v1", api_key="unused", timeout=NO_WORKER_S, max_retries=0)
+    started = time.monotonic()
+    try:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                       stream=stream)
+        raise AssertionError("answered with no worker")
+    except openai.APIStatusError as exc:
+        error = exc
+    assert time.monotonic() - started < NO_WORKER_S
+    assert error.status_code == 503 and error.body["code"] == "no_worker"
+    assert "No MLX worker is running" in error.message
+
+
+def test_with_no_worker_an_async_job_is_accepted_and_says_it_waits(web_only):
+    response = httpx.post(web_only.base_url + "/v1/jobs/chat/completions", timeout=NO_WORKER_S, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    assert response.status_code == 202, response.text
+    job = response.json()
+    assert job["status"] == "queued" and "waits in the queue" in job["warning"]
+    record = httpx.get(web_only.base_url + job["links"]["self"], timeout=NO_WORKER_S).json()
+    assert record["status"] == "queued"
 
 
 def test_web_and_jobs_import_no_mlx():

@@ -10,10 +10,8 @@ import shutil
 
 import httpx
 import pytest
-import redis
 
-from tests.conftest import REPO, wait_until
-from tests.integration.conftest import Service
+from tests.conftest import REPO
 
 SPEECH = REPO / "tests" / "fixtures" / "speech"
 WAIT_S = 120
@@ -51,26 +49,6 @@ def browser(tmp_path_factory):
 def _csp_violations(browser) -> list[str]:
     """The console's Content-Security-Policy complaints since the last call."""
     return [e["message"] for e in browser.get_log("browser") if "Content Security Policy" in e["message"]]
-
-
-@pytest.fixture(scope="module")
-def web_only(redis_url, models_dir):
-    """The web tier alone (no worker) on a Redis database of its own: no worker's heartbeat in it."""
-    url = redis_url.rsplit("/", 1)[0] + "/7"
-    redis.Redis.from_url(url).flushdb()
-    service = Service(url, models_dir)
-    service.web.start()
-
-    def up() -> bool:
-        assert service.web.alive(), service.web.tail()
-        try:
-            return httpx.get(service.base_url + "/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_until(up, 60, interval=0.2, what="the web tier")
-    yield service
-    service.web.stop()
 
 
 def _wait(browser, condition, what: str):
