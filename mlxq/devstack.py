@@ -192,8 +192,9 @@ class Stack:
         problem = port_problem(bind, port)
         if problem:
             raise SystemExit(f"redis: nothing answers at {url} (REDIS_URL), yet port {port} cannot be listened "
-                             f"on ({describe_port_problem(problem)}): something has it that does not answer as a Redis at that URL would (another "
-                             "server, or a Redis with another password). Name a free port in REDIS_URL.")
+                             f"on ({describe_port_problem(problem)}): something has it that does not answer as a "
+                             "Redis at that URL would (another server, or a Redis with another password). Name a "
+                             "free port in REDIS_URL.")
         data_dir = redis_home / str(port)
         lock = lock_data_dir(data_dir)
         self.locks.append(lock)

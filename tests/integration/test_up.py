@@ -126,8 +126,8 @@ def test_up_refuses_a_taken_port_before_starting_anything(bare_env, tmp_path):
     with socket.create_server(("127.0.0.1", 0)) as other:
         port = other.getsockname()[1]
         started = time.monotonic()
-        done = subprocess.run([sys.executable, "-m", "mlxq.cli", "up", "--port", str(port)], env=bare_env, cwd=REPO,
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run([sys.executable, "-m", "mlxq.cli", "up", "--port", str(port)], env=bare_env,
+                              cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1, done.stderr
     assert time.monotonic() - started < 30
     assert f"cannot listen on 127.0.0.1:{port}: taken" in done.stderr and "--port" in done.stderr, done.stderr
@@ -202,8 +202,8 @@ def test_two_instances_on_one_machine_keep_their_own_redis(bare_env, tmp_path):
             env = {**bare_env, "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
             port = free_port()
             with open(tmp_path / f"up-{name}.log", "wb") as log:
-                up = subprocess.Popen([sys.executable, "-m", "mlxq.cli", "up", "--port", str(port), "--web-workers",
-                                       "1"], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                argv = [sys.executable, "-m", "mlxq.cli", "up", "--port", str(port), "--web-workers", "1"]
+                up = subprocess.Popen(argv, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True)
             instances.append((up, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30), env["REDIS_URL"]))
         for up, api, _ in instances:  # the web tier answering is enough: async jobs queue without a worker
