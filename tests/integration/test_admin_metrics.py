@@ -125,3 +125,29 @@ def test_metrics_count_a_known_set_of_requests(api):
     assert value(after, "mlxq_queue_depth", queue="interactive") == 0
     assert value(after, "mlxq_resident_model_bytes", worker=api.get("/v1/admin/workers").json()["data"][0]["name"],
                  model=TEXT) > 0
+
+
+def test_worker_memory_is_shown_and_handed_back_when_idle(api):
+    chat = api.post("/v1/chat/completions", json={"model": TEXT, "max_tokens": 8, "temperature": 0,
+                                                  "messages": [{"role": "user", "content": "Hi"}]})
+    assert chat.status_code == 200, chat.text
+    # Two idle heartbeats after the chat: MLX's cache of freed buffers is emptied (it holds some after any chat).
+    worker = wait_until(lambda: next((w for w in api.get("/v1/admin/workers").json()["data"]
+                                      if w["memory"]["mlx_cache_bytes"] == 0 and not w["jobs"]), None), 10,
+                        interval=0.2, what="the idle worker to empty MLX's buffer cache")
+    memory, weights = worker["memory"], sum(m["bytes"] for m in worker["models"])
+    assert 0 < worker["cache_limit_bytes"] < worker["budget_bytes"]
+    assert worker["used_bytes"] == worker["cache_limit_bytes"] + weights
+    assert memory["mlx_active_bytes"] >= weights > 0 and memory["mlx_peak_bytes"] >= memory["mlx_active_bytes"]
+    assert memory["rss_peak_bytes"] >= memory["rss_bytes"] > weights
+
+    samples = scrape(api)
+    name = worker["name"]
+    assert value(samples, "mlxq_worker_resident_memory_bytes", worker=name) > weights
+    assert value(samples, "mlxq_worker_resident_memory_peak_bytes", worker=name) >= memory["rss_peak_bytes"]
+    assert value(samples, "mlxq_worker_mlx_active_bytes", worker=name) >= weights
+    assert value(samples, "mlxq_worker_mlx_peak_bytes", worker=name) >= memory["mlx_peak_bytes"]
+    assert value(samples, "mlxq_worker_mlx_cache_limit_bytes", worker=name) == worker["cache_limit_bytes"]
+    assert value(samples, "mlxq_worker_memory_budget_bytes", worker=name) == worker["budget_bytes"]
+    assert value(samples, "mlxq_worker_memory_used_bytes", worker=name) == worker["used_bytes"]
+    assert ("mlxq_worker_mlx_cache_bytes", (("worker", name),)) in samples
