@@ -30,8 +30,11 @@ def _call(url: str, key: str | None, path: str, body: dict | None = None) -> dic
 def workers(url, admin_key):
     """Live workers: device, memory, resident models (* pinned), jobs in hand."""
     for w in _call(url, admin_key, "/v1/admin/workers")["data"]:
-        click.echo(f"{w['name']}  {w.get('device')}  {w['used_bytes'] / 2**20:.0f}/{w['budget_bytes'] / 2**20:.0f} MiB  "
-                   f"jobs: {len(w.get('jobs', []))}")
+        memory = w.get("memory") or {}  # a worker of an older version does not say
+        rss = (f"  RSS {memory['rss_bytes'] / 2**20:.0f} MiB (peak {memory['rss_peak_bytes'] / 2**20:.0f})"
+               if memory else "")
+        click.echo(f"{w['name']}  {w.get('device')}  {w['used_bytes'] / 2**20:.0f}/{w['budget_bytes'] / 2**20:.0f} MiB"
+                   f"{rss}  jobs: {len(w.get('jobs', []))}")
         for m in w.get("models", []):
             click.echo(f"  {'*' if m.get('pinned') else ' '} {m['id']}  {m['bytes'] / 2**20:.0f} MiB")
 

@@ -88,7 +88,7 @@ def test_queues_are_listed(api):
 def test_mlxq_admin_cli(service):
     result = CliRunner().invoke(admin, ["workers", "--url", service.base_url])
     assert result.exit_code == 0, result.output
-    assert "cpu" in result.output and TEXT in result.output
+    assert "cpu" in result.output and TEXT in result.output and "RSS" in result.output
     loaded = CliRunner().invoke(admin, ["load", SPEECH, "--url", service.base_url])
     assert loaded.exit_code == 0 and f"load {SPEECH}" in loaded.output, loaded.output
     CliRunner().invoke(admin, ["unload", SPEECH, "--url", service.base_url])
