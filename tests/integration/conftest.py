@@ -12,6 +12,7 @@ import httpx
 import pytest
 import redis
 
+from jobs import workers
 from mlxq.cli import gunicorn_argv
 from tests.conftest import REPO, free_port, wait_until
 
@@ -86,10 +87,18 @@ class Service:
         return self
 
     def wait_ready(self, timeout: float = 180) -> None:
-        """Wait until the API answers /ready with 200 (worker alive, model warm)."""
+        """Wait until the API answers /ready with 200 and this worker beats (alive, model warm).
+
+        /ready alone is not enough after a kill -9: the dead worker's liveness key outlives it by up
+        to 6 s, and a call sent then would be refused (no_worker) once that key expires.
+        """
+        conn = redis.Redis.from_url(self.redis_url)
+
         def ready():
             if not self.worker.alive() or not self.web.alive():
                 raise AssertionError(f"service died:\n{self.worker.tail()}\n{self.web.tail()}")
+            if not any(s.get("pid") == self.worker.process.pid for s in workers.states(conn)):
+                return False
             try:
                 return httpx.get(self.base_url + "/ready", timeout=2).status_code == 200
             except httpx.HTTPError:
