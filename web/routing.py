@@ -52,10 +52,11 @@ def any_worker_live(svc: Services) -> bool:
 
 
 def _live_states(svc: Services) -> list[dict]:
-    """The live workers' states, cached for ROUTES_TTL_S in this process (an empty list is not kept: a
-    worker that has just started is seen at once)."""
+    """The live workers' states, cached for ROUTES_TTL_S in this process (so a worker that has just
+    started is seen within that; an empty answer is kept too: with no worker, every call would scan
+    the keyspace for one)."""
     cached = getattr(svc, "_routes", None)
-    if cached is None or time.monotonic() > cached[0] or not cached[1]:
+    if cached is None or time.monotonic() > cached[0]:
         cached = (time.monotonic() + ROUTES_TTL_S, workers.states(svc.redis))
         svc._routes = cached
     return cached[1]
