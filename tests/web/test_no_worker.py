@@ -95,7 +95,7 @@ def test_a_call_whose_worker_goes_away_while_it_is_queued_is_a_503(client, redis
     waited = time.monotonic() - started
     assert response.status_code == 503, response.get_data(as_text=True)
     assert response.get_json()["error"]["code"] == "no_worker" and response.headers["Retry-After"] == "5"
-    assert 1.0 < waited < 6, f"answered after {waited:.1f}s"
+    assert 1.0 < waited < 10, f"answered after {waited:.1f}s"
     # Taken out of its queue: a worker that starts later does not run it.
     (job_id,) = _job_ids(redis_conn)
     assert not redis_conn.llen(f"rq:queue:{INTERACTIVE}")
