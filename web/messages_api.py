@@ -119,7 +119,7 @@ def _messages_in(message, index: int) -> list[dict]:
                        f"messages.{index}.content")
     parts, calls, results = [], [], []
     for j, block in enumerate(content):
-        param, kind = f"messages.{index}.content.{j}", block.get("type") if isinstance(block, dict) else None
+        param, kind = f"messages.{index}.content.{j}", _kind(block)
         if kind in TOOL_BLOCKS and TOOL_BLOCKS[kind] != role:
             raise mt.bad(param, f"`{kind}` blocks belong in {TOOL_BLOCKS[kind]} messages")
         if kind == "tool_use":
@@ -135,9 +135,15 @@ def _messages_in(message, index: int) -> list[dict]:
     return [{"role": role, "content": parts}]
 
 
+def _kind(block) -> str | None:
+    """A content block's type (None when it has no type that is a string)."""
+    kind = block.get("type") if isinstance(block, dict) else None
+    return kind if isinstance(kind, str) else None
+
+
 def _block(block, param: str) -> dict:
     """A text or image block as a chat content part."""
-    kind = block.get("type") if isinstance(block, dict) else None
+    kind = _kind(block)
     if kind == "text":
         if not isinstance(block.get("text"), str):
             raise mt.bad(f"{param}.text", "must be a string")

@@ -86,7 +86,7 @@ def _message(item, index: int) -> dict:
 
 def _part(part, param: str) -> dict:
     kind = part.get("type") if isinstance(part, dict) else None
-    if kind not in PART_TYPES:
+    if not isinstance(kind, str) or kind not in PART_TYPES:
         raise APIError(400, f"Content parts of type {kind!r} are not supported (input_text, input_image).",
                        "invalid_value", param)
     if PART_TYPES[kind] == "text":

@@ -125,6 +125,9 @@ def _stored_or_404(response_id: str) -> dict:
 def _as_chat(body: dict, messages: list[dict]) -> dict:
     """The chat completion body a Responses request runs as, validated like one (400s name the Responses field)."""
     fmt = ((body.get("text") or {}).get("format")) or {"type": "text"}
+    if not isinstance(fmt, dict):
+        raise APIError(400, "'text.format' must be an object such as {\"type\": \"json_schema\", \"name\", "
+                            "\"schema\"}.", "invalid_value", "text.format")
     response_format = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}} \
         if fmt.get("type") == "json_schema" else fmt
     chat = load_chat({"model": body["model"], "messages": messages, "max_tokens": body["max_output_tokens"],

@@ -356,3 +356,19 @@ def test_a_big_body_of_many_small_values_is_refused_before_it_is_parsed(small_bo
     text = f'{{"model": "{MODEL}", "messages": {values}, "oops"'  # and not even valid JSON at the end
     error = error_of(post_raw(small_bodies, "/v1/chat/completions", text), 413)
     assert error["code"] == "request_too_large"
+
+
+# --- found by a shape fuzz of Responses and Messages (issue 29) -----------------------------------------
+
+@pytest.mark.parametrize("fmt", [-1.5, "json_schema", ["json_object"]])
+def test_a_responses_text_format_that_is_not_an_object_is_a_400(client, fmt):
+    body = {"model": MODEL, "input": "hi", "text": {"format": fmt}}
+    assert error_of(client.post("/v1/responses", json=body), 400)["param"] == "text.format"
+
+
+@pytest.mark.parametrize("kind", [{}, [], ["text"]])
+def test_a_content_block_whose_type_is_not_a_string_is_a_400(client, kind):
+    messages = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": kind, "text": "x"}]}]}
+    assert _message_error(client.post("/v1/messages", json=messages), 400).startswith("messages.0.content.0: ")
+    responses = {"model": MODEL, "input": [{"role": "user", "content": [{"type": kind, "text": "x"}]}]}
+    assert error_of(client.post("/v1/responses", json=responses), 400)["param"] == "input[0].content[0]"
