@@ -104,6 +104,10 @@ class IdleRelease:
             return False
         self.dirty = False
         started = time.perf_counter()
-        self.release_fn()
+        try:
+            self.release_fn()
+        except Exception:  # best effort, on the heartbeat's thread: a failure here must not stop the beats
+            log.exception("could not hand memory back")
+            return False
         log.debug("idle: memory handed back in %.1f ms", (time.perf_counter() - started) * 1000)
         return True

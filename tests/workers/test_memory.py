@@ -29,3 +29,11 @@ def test_memory_goes_back_once_each_time_the_worker_has_been_idle_for_two_beats(
     assert [idle.beat(busy) for busy in (True, False, True, False, False, False)] == [
         False, False, False, False, True, False]
     assert len(released) == 1
+
+
+def test_a_failing_release_does_not_stop_the_heartbeat():
+    def broken():
+        raise RuntimeError("no allocator")
+
+    idle = IdleRelease(broken, idle_beats=1)
+    assert idle.beat(True) is False and idle.beat(False) is False  # logged, not raised
