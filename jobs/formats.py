@@ -17,7 +17,12 @@ GRANULARITIES = ("segment", "word")
 
 JSON_MIMETYPE = "application/json"
 TEXT_MIMETYPE = "text/plain; charset=utf-8"
+SRT_MIMETYPE = "application/x-subrip; charset=utf-8"
 VTT_MIMETYPE = "text/vtt; charset=utf-8"
+
+TEXT_MIMETYPES = {"text": TEXT_MIMETYPE, "srt": SRT_MIMETYPE, "vtt": VTT_MIMETYPE}
+"""The content type each plain-text format is served as (a subtitle's own type: a browser's <track> wants
+text/vtt; OpenAI's clients read any of them as a string)."""
 
 
 def render(result: dict, fmt: str, granularities=("segment",)) -> tuple[str | dict, str]:
@@ -27,7 +32,7 @@ def render(result: dict, fmt: str, granularities=("segment",)) -> tuple[str | di
     if fmt == "text":
         return result["text"] + "\n", TEXT_MIMETYPE
     if fmt == "srt":
-        return to_srt(result["segments"]), TEXT_MIMETYPE
+        return to_srt(result["segments"]), SRT_MIMETYPE
     if fmt == "vtt":
         return to_vtt(result["segments"]), VTT_MIMETYPE
     if fmt == "verbose_json":

@@ -8,24 +8,27 @@ import functools
 from flask import g
 
 from jobs import queues
+from jobs.formats import TEXT_MIMETYPES
 from web import intake, render
 from web.audio_schemas import TranscriptionFormSchema, TranslationFormSchema
 from web.errors import APIError
 from web.jobrun import stream_response, submit, wait_for_result
 from web.jsonbody import Blueprint
-from web.response_schemas import SSE, TEXT, ServerSentEventSchema, TranscriptionSchema
+from web.response_schemas import SSE, ServerSentEventSchema, TranscriptionSchema
 from web.uploads import Upload, accepts_upload, discard, keep
 
 blp = Blueprint("audio", __name__, url_prefix="/v1/audio", description="OpenAI-compatible speech to text")
 
 
 def _speech_responses(view):
-    """The responses both endpoints document (the JSON body, text formats, the SSE stream)."""
+    """The responses both endpoints document (the JSON body, each text format's type, the SSE stream)."""
     view = blp.alt_response(200, schema=ServerSentEventSchema, content_type=SSE, success=True)(view)
-    view = blp.alt_response(200, schema={"type": "string"}, content_type=TEXT, success=True)(view)
-    return blp.response(200, TranscriptionSchema, description="`json` and `verbose_json`; `text`, `srt` and "
-                        "`vtt` come as text/plain; with `stream`, transcript.text.delta events then "
-                        "transcript.text.done")(view)
+    for mimetype in TEXT_MIMETYPES.values():
+        view = blp.alt_response(200, schema={"type": "string"}, content_type=mimetype.split(";")[0],
+                                success=True)(view)
+    return blp.response(200, TranscriptionSchema, description="`json` and `verbose_json` as JSON; `text` as "
+                        "text/plain, `srt` as application/x-subrip, `vtt` as text/vtt (UTF-8); with `stream`, "
+                        "transcript.text.delta events then transcript.text.done")(view)
 
 
 @blp.route("/transcriptions", methods=["POST"])
@@ -59,7 +62,7 @@ def _speech_to_text(form: dict, task: str):
         response.call_on_close(functools.partial(discard, upload.directory))
         return response
     result = _wait_then_discard(request.id, upload)
-    return render.transcription_sync(result, form["response_format"], form["timestamp_granularities"])
+    return render.transcription(result, form["response_format"], form["timestamp_granularities"])
 
 
 def _wait_then_discard(job_id: str, upload: Upload) -> dict:

@@ -74,9 +74,11 @@ class TranscriptionFormSchema(Schema):
     file = FilePart(required=True, metadata={"type": "string", "format": "binary",
                                              "description": "The audio file (wav, mp3, ogg, flac, m4a, ...)"})
     model = fields.String(load_default=DEFAULT_SPEECH_MODEL, validate=validate.Length(min=1, max=512))
-    language = fields.String(load_default=None, validate=validate.Regexp(
+    # Optional fields have no load_default: a `default: null` in the OpenAPI document made Swagger UI's
+    # try-it send the text "null". _normalise gives an absent field its value (None).
+    language = fields.String(validate=validate.Regexp(
         r"^([A-Za-z]{2,3}([-_][A-Za-z0-9]{2,8})?)?$", error="must be an ISO-639-1 code such as 'en'"))
-    prompt = fields.String(load_default=None, validate=validate.Length(max=4096))
+    prompt = fields.String(validate=validate.Length(max=4096))
     temperature = fields.Float(load_default=0.0, validate=validate.Range(min=0, max=1))
     response_format = fields.String(load_default="json", validate=validate.OneOf(FORMATS))
     timestamp_granularities = fields.List(fields.String(validate=validate.OneOf(GRANULARITIES)),
@@ -84,9 +86,9 @@ class TranscriptionFormSchema(Schema):
     granularities_plain = fields.List(fields.String(validate=validate.OneOf(GRANULARITIES)),
                                       data_key="timestamp_granularities", load_default=list)
     stream = fields.Boolean(load_default=False)
-    chunking_strategy = fields.String(load_default=None, validate=validate.OneOf(["auto"]), metadata={
+    chunking_strategy = fields.String(validate=validate.OneOf(["auto"]), metadata={
         "description": "'auto': decode only the speech a voice activity detector finds (Silero VAD)"})
-    chunking_type = fields.String(load_default=None, data_key="chunking_strategy[type]",
+    chunking_type = fields.String(data_key="chunking_strategy[type]",
                                   validate=validate.OneOf(["server_vad"]))
     include = fields.List(fields.String(validate=validate.OneOf(INCLUDES)), data_key="include[]",
                           load_default=list, metadata={
@@ -101,9 +103,9 @@ class TranscriptionFormSchema(Schema):
         granularities = set(data.pop("timestamp_granularities")) | set(data.pop("granularities_plain"))
         data["timestamp_granularities"] = [g for g in GRANULARITIES if g in granularities] or ["segment"]
         data["language"] = data.get("language") or None  # translations have no `language`
-        data["prompt"] = data["prompt"] or None
+        data["prompt"] = data.get("prompt") or None
         # OpenAI's {"type": "server_vad", ...} arrives as chunking_strategy[type]: the same detector.
-        data["chunking_strategy"] = "auto" if data.pop("chunking_type") else data["chunking_strategy"]
+        data["chunking_strategy"] = "auto" if data.pop("chunking_type", None) else data.get("chunking_strategy")
         data["logprobs"] = "logprobs" in _included(data)
         del data["include"], data["include_plain"]
         return data
@@ -134,9 +136,15 @@ class TranslationFormSchema(TranscriptionFormSchema):
 class JobOptionsSchema(Schema):
     """Fields every async job accepts: where to send a webhook, and the client's own metadata."""
 
-    webhook_url = fields.Url(load_default=None, allow_none=True, schemes={"http", "https"}, require_tld=False,
+    # No load_default (see TranscriptionFormSchema): _absent_is_none fills them in.
+    webhook_url = fields.Url(allow_none=True, schemes={"http", "https"}, require_tld=False,
                              validate=validate.Length(max=2048))
-    metadata = Metadata(load_default=None, allow_none=True)
+    metadata = Metadata(allow_none=True)
+
+    @post_load
+    def _absent_is_none(self, data, **kwargs):
+        """An option not given is None."""
+        return {"webhook_url": None, "metadata": None, **data}
 
     @validates("webhook_url")
     def _public_destination(self, value, **kwargs):

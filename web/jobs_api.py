@@ -131,9 +131,11 @@ def get_job(job_id: str):
 
 @blp.route("/<job_id>/result", methods=["GET"])
 @blp.arguments(ResultQuerySchema(), location="query")
-@blp.response(200, AnyObjectSchema, description="A transcription (in the format asked for: text, srt and vtt "
-              "as text/plain) or a chat.completion object")
+@blp.response(200, AnyObjectSchema, description="A transcription (in the format asked for: text as text/plain, srt "
+              "as application/x-subrip, vtt as text/vtt) or a chat.completion object")
 @blp.alt_response(200, schema={"type": "string"}, content_type=TEXT, success=True)
+@blp.alt_response(200, schema={"type": "string"}, content_type="application/x-subrip", success=True)
+@blp.alt_response(200, schema={"type": "string"}, content_type="text/vtt", success=True)
 @blp.alt_response(409, description="The job has not succeeded (yet)")
 def job_result(query, job_id: str):
     """A finished job's result (transcriptions in any response format); 409 while it is not ready."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from flask import Response, jsonify
 
 from jobs.events import DELTA, DONE, SEGMENT
-from jobs.formats import TEXT_MIMETYPE, logprobs_field, render
+from jobs.formats import logprobs_field, render
 from web.sse import sse_data
 
 
@@ -158,17 +158,12 @@ def stream_error(request_id: str):
     return frame
 
 
-def transcription(result: dict, fmt: str, granularities, text_mimetype: str | None = None) -> Response:
-    """A verbose_json result in `fmt`: a JSON body, or plain text (text, srt, vtt)."""
+def transcription(result: dict, fmt: str, granularities) -> Response:
+    """A verbose_json result in `fmt`: a JSON body, or text (text, srt, vtt: each as its own content type)."""
     body, mimetype = render(result, fmt, tuple(granularities))
     if isinstance(body, dict):
         return jsonify(body)
-    return Response(body, content_type=text_mimetype or mimetype)
-
-
-def transcription_sync(result: dict, fmt: str, granularities) -> Response:
-    """A synchronous transcription: text, srt and vtt as text/plain, as OpenAI answers them."""
-    return transcription(result, fmt, granularities, TEXT_MIMETYPE)
+    return Response(body, content_type=mimetype)
 
 
 def job_result(record: dict, result: dict | None):

@@ -19,6 +19,7 @@ from rq import SimpleWorker
 from rq.serializers import JSONSerializer
 
 from jobs import queues
+from jobs.formats import TEXT_MIMETYPES
 from jobs.settings import load_settings
 from jobs.webhooks import SIGNATURE_HEADER, verify
 from mlxq.transcribe_cli import transcribe
@@ -123,7 +124,7 @@ def spool_jobs(prefix: str = "transcr-") -> set:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_every_response_format(openai_client, fmt):
+def test_every_response_format(openai_client, api, fmt):
     """The official client, every format: structure, content type and content (WER) checked."""
     before = spool_jobs()
     with open(SPEECH / "garden.wav", "rb") as f:
@@ -141,7 +142,10 @@ def test_every_response_format(openai_client, fmt):
             assert all(0 <= s.start < s.end <= body.duration + 1 for s in segments)
             assert normalise(" ".join(s.text for s in segments)) == normalise(body.text)
         return
-    assert raw.headers["content-type"].startswith("text/plain") and isinstance(body, str)
+    # Each text format in its own type, exactly as /openapi.json documents it.
+    assert raw.headers["content-type"] == TEXT_MIMETYPES[fmt] and isinstance(body, str)
+    documented = api.get("/openapi.json").json()["paths"]["/v1/audio/transcriptions"]
+    assert TEXT_MIMETYPES[fmt].split(";")[0] in documented["post"]["responses"]["200"]["content"]
     if fmt == "text":
         assert_wer(body, "garden")
         return

@@ -50,7 +50,7 @@ def test_srt_cues_numbered_from_one_and_empty_segments_skipped():
     body, mimetype = render(RESULT, "srt")
     assert body == ("1\n00:00:00,000 --> 00:00:01,500\nHello there.\n\n"
                     "2\n00:00:01,500 --> 01:01:01,250\nGeneral Kenobi.\n")
-    assert mimetype.startswith("text/plain")
+    assert mimetype == "application/x-subrip; charset=utf-8"
     assert to_srt([]) == ""
 
 
