@@ -19,6 +19,9 @@ in two by the window edge: it is decoded again as the start of the next window i
 TIME_PRECISION = 0.02
 """Seconds per Whisper timestamp token."""
 
+MIN_REST_S = 0.5
+"""Audio left in a speech piece after its text ends, below which it is not decoded again (a breath, a tail)."""
+
 
 def split_segments(tokens: np.ndarray, tokenizer, result: DecodingResult, seek: int, frames: int,
                    has_more: bool) -> tuple[list[dict], int]:

@@ -9,11 +9,17 @@ Boundaries lose and double nothing because a window is only ever cut at a segmen
 window's segments we keep those that end before its last timestamp token (Whisper's rule) and, in a
 window followed by more audio, before its end minus `segments.EDGE_MARGIN_S`; the next window starts where
 the last kept segment ends, and the text so far is its prompt (condition_on_previous_text).
+
+Silence is never decoded (Options.vad, the default): the voice activity detector's speech pieces
+(workers/vad.py) say where windows start and end, so a window never holds a long silence, where Whisper
+invents text ("you", or the last sentence again, with a likelihood that passes its own no-speech rule).
+Whisper's own safeguards stay for what a piece still holds: the no-speech rule, the temperature fallback,
+and a prompt dropped after a window judged silent or decoded hot.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -31,9 +37,17 @@ from mlx_audio.stt.models.whisper.decoding import DecodingOptions, DecodingResul
 from mlx_audio.stt.models.whisper.timing import add_word_timestamps
 from mlx_audio.stt.models.whisper.tokenizer import LANGUAGES, TO_LANGUAGE_CODE
 
+from workers import vad
 from workers.audio import SAMPLE_RATE, AudioError, AudioReader
 from workers.backends import cpu_math, whisper_decoder, whisper_encoder
-from workers.backends.segments import attach_logprobs, public_segment, split_segments, spoken_segments
+from workers.backends.segments import (
+    MIN_REST_S,
+    SpeechSpans,
+    attach_logprobs,
+    public_segment,
+    split_segments,
+    spoken_segments,
+)
 
 LENGTH_SLACK_S = 1.0
 """How far past settings.max_audio_s decoding may go before the file is refused (rounding in headers)."""
@@ -56,6 +70,7 @@ class Options:
     max_duration_s: float | None = None  # decoding stops with an error past this point of the file
     task: str = "transcribe"  # or "translate": English text from speech in any language (multilingual models)
     logprobs: bool = False  # each segment's text tokens with their log-probabilities (include[]=logprobs)
+    vad: bool = True  # decode only the speech pieces the voice activity detector finds (False: every window)
 
 
 @dataclass
@@ -144,22 +159,50 @@ def transcribe_chunks(model, path, options: Options, start_state: ResumeState | 
 
     (With chunking_strategy "auto" the speech pieces are decoded in batches instead: whisper_batch.py.)"""
     state = start_state or initial_state(model, options)
+    spans = SpeechSpans(vad.speech_pieces(path)) if options.vad else None
     reader = AudioReader(path, state.offset_s)
     try:
         while True:
-            start = state.seek * HOP_LENGTH
-            samples = reader.read(start, N_SAMPLES)
-            check_length(options, start + len(samples))
-            if len(samples) < HOP_LENGTH:  # less than one frame left: nothing to decode here
+            span = _speech_from(spans, state.seek) if spans else (state.seek, None)
+            if span is None:  # no speech left
                 yield ChunkResult([], state, True)
                 return
-            chunk = decode_window(model, samples, options, state, has_more=len(samples) == N_SAMPLES)
+            state = replace(state, seek=span[0])
+            start = state.seek * HOP_LENGTH
+            wanted = N_SAMPLES if span[1] is None else min(N_SAMPLES, (span[1] - state.seek) * HOP_LENGTH)
+            samples = reader.read(start, wanted)
+            check_length(options, start + len(samples))
+            if len(samples) < HOP_LENGTH:  # less than one frame left (of the file, or of a piece): nothing to decode
+                if span[1] is None:
+                    yield ChunkResult([], state, True)
+                    return
+                state = replace(state, seek=span[1])
+                continue
+            # A window cut at the end of a speech piece has silence after it, not a word cut in two.
+            chunk = decode_window(model, samples, options, state, has_more=len(samples) == wanted == N_SAMPLES
+                                  and span[1] != state.seek + N_FRAMES)
+            if spans is not None:
+                chunk = replace(chunk, finished=_speech_from(spans, chunk.state.seek) is None)
             yield chunk
             if chunk.finished:
                 return
             state = chunk.state
     finally:
         reader.close()
+        if spans is not None:
+            spans.close()
+
+
+def _speech_from(spans: SpeechSpans, seek: int) -> tuple[int, int] | None:
+    """Where the next window may start and must end: the speech piece at or after frame `seek` (from `seek`
+    if it is inside one); None when no speech is left. A piece's tail shorter than MIN_REST_S, left over
+    after Whisper stopped early, is a breath or a pause: skipped."""
+    while (span := spans.at_or_after(seek)) is not None:
+        start = max(seek, span[0])
+        if start == span[0] or (span[1] - start) / FRAMES_PER_SECOND >= MIN_REST_S:
+            return start, span[1]
+        seek = span[1]
+    return None
 
 
 def check_length(options: Options, end_sample: int) -> None:
@@ -179,7 +222,7 @@ def decode_window(model, samples: np.ndarray, options: Options, state: ResumeSta
     language = state.language or detect_language(model, features)
     tokenizer = model.get_tokenizer(language=language, task=options.task)
     result = _decode_with_fallback(model, features, options, state, language)
-    if is_silence(result):
+    if is_silence(result):  # Whisper's no-speech skip
         return _advance(state, [], state.seek + frames, language, frames, has_more, result)
     segments, next_seek = split_segments(np.array(result.tokens), tokenizer, result, state.seek, frames,
                                           has_more)
@@ -199,16 +242,24 @@ def _advance(state: ResumeState, segments: list[dict], next_seek: int, language:
     spoken = spoken_segments(segments)
     for number, seg in enumerate(spoken, start=state.next_id):
         seg["id"] = number
-    prompt = state.prompt_tokens + [t for seg in spoken for t in seg["tokens"]]
-    if result.temperature > 0.5:
-        prompt = []  # Whisper drops a prompt decoded at high temperature: it is likely garbage
+    prompt = next_prompt(state.prompt_tokens, [t for seg in spoken for t in seg["tokens"]], result)
     words = [w for seg in spoken for w in seg.get("words", ())]
     new_state = ResumeState(
-        seek=next_seek, next_id=state.next_id + len(spoken), prompt_tokens=prompt[-_PROMPT_KEEP:],
+        seek=next_seek, next_id=state.next_id + len(spoken), prompt_tokens=prompt,
         last_speech_s=words[-1]["end"] if words else state.last_speech_s, language=language,
     )
     finished = not has_more and next_seek >= state.seek + frames
     return ChunkResult([public_segment(seg) for seg in spoken], new_state, finished)
+
+
+def next_prompt(prompt: list[int], tokens: list[int], result: DecodingResult) -> list[int]:
+    """The prompt of the next window: the text so far, unless this window's text is not to be trusted."""
+    # Whisper drops a prompt after a window decoded hot (its text is likely garbage, and a model prompted with
+    # garbage repeats it); after a window judged silent too: the text before a silence led Whisper to invent
+    # more of it in the silence ("you", or the last sentence again).
+    if result.temperature > 0.5 or is_silence(result):
+        return []
+    return (prompt + tokens)[-_PROMPT_KEEP:]
 
 
 def _decode_with_fallback(model, features: mx.array, options: Options, state: ResumeState, language: str

@@ -28,6 +28,7 @@ from workers.audio import AudioReader
 from workers.backends import cpu_math, whisper, whisper_decoder, whisper_encoder
 from workers.backends.segments import (
     FRAMES_PER_SECOND,
+    MIN_REST_S,
     SpeechSpans,
     attach_logprobs,
     public_segment,
@@ -45,9 +46,6 @@ GPU_CACHE_BYTES = 2 << 30
 
 GPU_ENCODE_BATCH = 16
 """Windows a GPU encodes at once (a CPU one): the attention holds a 1500 x 1500 matrix per head and window."""
-
-MIN_REST_S = 0.5
-"""Audio left in a piece after its text ends, below which it is not decoded again (a breath, a tail)."""
 
 
 def transcribe_batches(model, path, options: whisper.Options, start_state: whisper.ResumeState | None,
