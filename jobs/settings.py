@@ -77,7 +77,8 @@ class Settings:
 
     cache_limit_mb: int = -1
     """Most memory MLX keeps in its cache of freed buffers for reuse, in MiB, taken from memory_budget_mb
-    (-1: a sixteenth of the budget; 0: no cache). The worker also empties it whenever it goes idle."""
+    (-1: a sixteenth of the budget on a GPU, at most 32 MiB on a CPU; 0: no cache). The worker also empties it
+    whenever it goes idle."""
 
     max_batch: int = 0
     """Most text requests decoding together in the worker (0: the worker's measured default for its

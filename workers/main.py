@@ -88,7 +88,7 @@ def build_scheduler(settings: Settings, name: str, info: platform.PlatformInfo |
     info = info or platform.detect()
     budget = memory_budget_bytes(settings.memory_budget_mb, info.backend)
     try:
-        cache = memory.cache_limit_bytes(settings.cache_limit_mb, budget)
+        cache = memory.cache_limit_bytes(settings.cache_limit_mb, budget, info.backend)
     except ValueError as exc:
         raise SystemExit(f"mlxq worker: {exc}") from None
     memory.limit_cache(cache)

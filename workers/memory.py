@@ -2,8 +2,8 @@
 (resident memory, MLX's active, cached and peak bytes), and freed memory handed back to the system when idle.
 
 MLX keeps freed buffers for reuse. On a GPU its cache may grow to the device's memory limit unless bounded (a
-worker that once ran a long prompt keeps that memory for good); on a CPU it is small (32 MiB) and the arrays
-come from glibc's malloc, whose free pages stay in the process until trimmed.
+worker that once ran work of many shapes keeps that memory for good); on a CPU it is small (32 MiB) and the
+arrays come from glibc's malloc, whose free pages stay in the process until trimmed.
 """
 
 from __future__ import annotations
@@ -18,19 +18,26 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 CACHE_FRACTION = 1 / 16
-"""Share of the memory budget MLX's buffer cache may hold when settings.cache_limit_mb is -1 (about 1 GiB of a
-16.8 GiB budget): enough to reuse a decode step's buffers, small beside the models and KV caches it is taken
-from."""
+"""Share of the memory budget MLX's buffer cache may hold on a GPU when settings.cache_limit_mb is -1 (3.5 GiB
+of an H100's default budget of 56): enough to reuse a decode step's buffers, small beside the models and KV
+caches it is taken from. MLX's own limit there is most of the device: on the H100 work of changing shapes left
+49 GiB cached (docs/performance.md)."""
+
+CPU_CACHE_BYTES = 32 * 2**20
+"""The most MLX's buffer cache holds on a CPU when settings.cache_limit_mb is -1 (MLX's own default there).
+There the arrays come from malloc, which keeps freed pages itself: a cache of a sixteenth of the budget
+(1 GiB) raised the worker's resident memory under a mixed load by 450 MiB, for no speed (docs/performance.md)."""
 
 MAX_CACHE_FRACTION = 0.5
 """A configured cache limit above this share of the budget is refused: it would leave models too little."""
 
 
-def cache_limit_bytes(cache_limit_mb: int, budget_bytes: int) -> int:
-    """settings.cache_limit_mb in bytes (-1: CACHE_FRACTION of the budget); ValueError if it takes more than
-    MAX_CACHE_FRACTION of the budget."""
+def cache_limit_bytes(cache_limit_mb: int, budget_bytes: int, device: str) -> int:
+    """settings.cache_limit_mb in bytes (-1: CACHE_FRACTION of the budget, at most CPU_CACHE_BYTES on a CPU);
+    ValueError if it takes more than MAX_CACHE_FRACTION of the budget."""
     if cache_limit_mb < 0:
-        return int(budget_bytes * CACHE_FRACTION)
+        share = int(budget_bytes * CACHE_FRACTION)
+        return min(share, CPU_CACHE_BYTES) if device == "cpu" else share
     limit = cache_limit_mb * 2**20
     if limit > budget_bytes * MAX_CACHE_FRACTION:
         raise ValueError(f"MLXQ_CACHE_LIMIT_MB={cache_limit_mb} is more than half of the worker's memory budget "

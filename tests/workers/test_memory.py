@@ -5,20 +5,22 @@ from __future__ import annotations
 
 import pytest
 
-from workers.memory import CACHE_FRACTION, IdleRelease, cache_limit_bytes
+from workers.memory import CACHE_FRACTION, CPU_CACHE_BYTES, IdleRelease, cache_limit_bytes
 
 MIB = 2**20
 
 
-def test_cache_limit_defaults_to_a_share_of_the_budget():
-    assert cache_limit_bytes(-1, 1600 * MIB) == int(1600 * MIB * CACHE_FRACTION) == 100 * MIB
-    assert cache_limit_bytes(0, 1600 * MIB) == 0  # no cache at all
-    assert cache_limit_bytes(300, 1600 * MIB) == 300 * MIB
+def test_cache_limit_defaults_to_a_share_of_the_budget_and_little_on_a_cpu():
+    assert cache_limit_bytes(-1, 1600 * MIB, "cuda") == int(1600 * MIB * CACHE_FRACTION) == 100 * MIB
+    assert cache_limit_bytes(-1, 1600 * MIB, "cpu") == CPU_CACHE_BYTES == 32 * MIB
+    assert cache_limit_bytes(-1, 160 * MIB, "cpu") == 10 * MIB  # a small budget: its share
+    assert cache_limit_bytes(0, 1600 * MIB, "cuda") == 0  # no cache at all
+    assert cache_limit_bytes(300, 1600 * MIB, "cpu") == 300 * MIB  # the operator's word, on any device
 
 
 def test_a_cache_limit_that_crowds_out_the_models_is_refused():
     with pytest.raises(ValueError, match="MLXQ_CACHE_LIMIT_MB=900"):
-        cache_limit_bytes(900, 1600 * MIB)
+        cache_limit_bytes(900, 1600 * MIB, "metal")
 
 
 def test_memory_goes_back_once_each_time_the_worker_has_been_idle_for_two_beats():
