@@ -87,7 +87,8 @@ class TranscriptionFormSchema(Schema):
                                       data_key="timestamp_granularities", load_default=list)
     stream = fields.Boolean(load_default=False)
     chunking_strategy = fields.String(validate=validate.OneOf(["auto"]), metadata={
-        "description": "'auto': decode only the speech a voice activity detector finds (Silero VAD)"})
+        "description": "'auto': decode the speech pieces several at once (batched); left out, window after window, "
+                       "each prompted with the text before it. Either way silence is skipped (Silero VAD)"})
     chunking_type = fields.String(data_key="chunking_strategy[type]",
                                   validate=validate.OneOf(["server_vad"]))
     include = fields.List(fields.String(validate=validate.OneOf(INCLUDES)), data_key="include[]",
