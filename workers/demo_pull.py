@@ -87,7 +87,16 @@ def pull_demo(settings, log: Callable[[str], None] | None = None) -> list[ModelI
         infos.append(import_into_store(settings, demo.name, converter_for(demo.importer), src, provenance))
     infos.append(pull_demo_tools(settings, log))
     infos.append(pull_demo_vlm(settings, log))
+    _fetch_vad(log)
     return infos
+
+
+def _fetch_vad(log: Callable[[str], None]) -> None:
+    """Fetch the voice activity detector's model now: every transcription uses it, so a server set up
+    with pull-demo must not need the registry at its first request."""
+    from workers import vad
+
+    log(f"voice activity detector: {vad.model_path()}")
 
 
 def pull_demo_tools(settings, log: Callable[[str], None]) -> ModelInfo:
