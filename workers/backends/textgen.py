@@ -64,9 +64,55 @@ def chat_prompt(tokenizer, messages: Sequence[dict], tools: list[dict] | None = 
     return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
 
-def prompt_ids(tokenizer, prompt: str | Sequence[dict], tools: list[dict] | None = None) -> list[int]:
-    """Token ids of a request's input: a chat (a list of messages, with tools) or a plain completion prompt."""
+def prompt_ids(tokenizer, prompt: str | Sequence[dict], tools: list[dict] | None = None,
+               context_length: int | None = None) -> list[int]:
+    """Token ids of a request's input: a chat (a list of messages, with tools) or a plain completion
+    prompt; one that cannot fit `context_length` is refused from its length before it is tokenized."""
+    if context_length:
+        check_length(tokenizer, prompt, context_length)
     return chat_prompt(tokenizer, prompt, tools) if isinstance(prompt, list) else text_prompt(tokenizer, prompt)
+
+
+def check_length(tokenizer, prompt, context_length: int) -> None:
+    """Refuse a prompt whose text is too long to be `context_length` tokens, without tokenizing it.
+
+    A token stands for at most `longest_token` characters, so text longer than the context times
+    that is more tokens than the context holds, whatever the template adds. Tokenizing a 60 MB body
+    took 81 s on the worker's one MLX thread, and every other request waited for it.
+    """
+    chars = text_length(prompt)  # the messages' text only: a template may leave the tools out
+    most = context_length * longest_token(tokenizer)
+    if chars > most:
+        raise ContextLengthExceeded(f"the prompt is {chars} characters long, more than the model's context "
+                                    f"length of {context_length} tokens can hold (at most {most} characters)")
+
+
+def text_length(value) -> int:
+    """Characters in every string a prompt (its messages, their content parts) holds."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(text_length(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(text_length(v) for v in value)
+    return 0
+
+
+def longest_token(tokenizer) -> int:
+    """The most characters of text one token can stand for (kept on the tokenizer: about 30 ms to find).
+
+    A vocabulary entry is the token's text (a byte-level BPE's, one character per byte: at least as
+    many as the text's characters). A normalizer may fold several characters of input into one
+    (Unicode composition), so with one the bound is taken four times wider.
+    """
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper holds the HF tokenizer
+    found = getattr(hf, "_mlxq_longest_token", None)
+    if found is None:
+        longest = max((len(token) for token in hf.get_vocab()), default=1)
+        backend = getattr(hf, "backend_tokenizer", None)
+        found = longest * (4 if backend is None or backend.normalizer is not None else 1)
+        hf._mlxq_longest_token = found
+    return found
 
 
 def text_prompt(tokenizer, prompt: str) -> list[int]:
