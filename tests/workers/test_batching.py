@@ -9,14 +9,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 import uuid
+from collections import Counter
 
+import mlx_lm.models.llama as llama
 import pytest
 from rq.job import JobStatus
 
 from bench.make_long_audio import build
 from bench.make_random_model import build as build_random_model
 from jobs import contract, keys, records
+from jobs.errors import ContextLengthExceeded
 from jobs.events import read_log
 from jobs.queues import (
     BATCH,
@@ -29,7 +33,8 @@ from jobs.queues import (
 )
 from jobs.settings import load_settings
 from jobs.store import resolve
-from workers.backends import textbatch
+from workers.backends import textbatch, textgen
+from workers.backends.prefill import Prompt, plan
 from workers.main import build_scheduler
 from workers.scheduler import Scheduler
 
@@ -248,7 +253,7 @@ def small_chunks(monkeypatch):
 
 
 def test_a_long_prompt_is_processed_in_chunks_between_the_others_tokens(redis_conn, settings, worker_parts,
-                                                                          small_chunks):
+                                                                          small_chunks, processed):
     short = chat(settings, QUESTIONS[2], max_tokens=40)
     submit(redis_conn, settings, short)
     run = scheduler(redis_conn, settings, worker_parts)
@@ -262,10 +267,16 @@ def test_a_long_prompt_is_processed_in_chunks_between_the_others_tokens(redis_co
     ours = next(m for t, m in batch.members.items() if t.request.id == short.id).sequences[0]
     theirs = next(m for t, m in batch.members.items() if t.request.id == long_prompt.id).sequences[0]
     assert theirs.prompt_tokens > 6 * textbatch.PREFILL_CHUNK  # several chunks of prefill
+    without_token = chunks = 0
     while not theirs.tokens and not ours.finish_reason:
-        before = ours.tokens
+        before, tokens_before = ours.tokens, processed[0]
         run.step()
-        assert ours.tokens == before + 1  # every step still gave the short request its next token
+        # Every step gives the short request its next token, or processes one chunk of the long
+        # prompt; never two steps in a row without a token.
+        without_token = 0 if ours.tokens == before + 1 else without_token + 1
+        assert without_token <= 1 and processed[0] - tokens_before <= textbatch.PREFILL_CHUNK + 1
+        chunks += without_token
+    assert chunks >= 1  # and the long prompt went on meanwhile (at most half of the time is its)
     run.run()
     assert texts(done(redis_conn, short.id)) == texts(alone(redis_conn, settings, worker_parts, short))
 
@@ -282,19 +293,115 @@ def test_a_request_decoding_alone_is_taken_over_by_the_batch_with_the_same_text(
     run = scheduler(redis_conn, settings, worker_parts)
 
     def alone_and(state) -> bool:
+        if state == "prefilling":
+            return any(p.fed for b in run.text.values() for p in b.prefilling)
         solo = next((b.solo for b in run.text.values() if b.solo), None)
-        if solo is None:
-            return False
-        seq, decoder = solo
-        return seq.tokens >= 5 if state == "decoding" else bool(decoder.fed) and not decoder.decoding
+        return solo is not None and solo[0].tokens >= 5
 
     step_until(run, lambda: alone_and(joined_while))
     second = chat(settings, QUESTIONS[4], max_tokens=20)
     submit(redis_conn, settings, second)
     run._next_look = 0.0  # look at the queue at the next step
-    step_until(run, lambda: sum(len(b) for b in run.text.values()) == 2)
-    [batch] = run.text.values()
-    assert batch.solo is None and batch.sequences == 2  # the batched generator has both
+    if joined_while == "decoding":
+        step_until(run, lambda: sum(b.sequences for b in run.text.values()) == 2)
+        [batch] = run.text.values()
+        assert batch.solo is None  # the batched generator has both
+    else:  # the short one goes first, alone, while the long prompt is still being processed
+        step_until(run, lambda: any(b.solo and b.solo[0].task.request.id == second.id for b in run.text.values()))
     run.run()
     for request in (first, second):
         assert texts(done(redis_conn, request.id)) == texts(alone(redis_conn, settings, worker_parts, request))
+
+
+@pytest.fixture()
+def processed(monkeypatch):
+    """A count of the tokens the demo model processes (prompt and decode, padding included): a spy on
+    the real model's forward pass."""
+    count = [0]
+    forward = llama.Model.__call__
+
+    def counting(self, inputs, *args, **kwargs):
+        count[0] += inputs.size
+        return forward(self, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(llama.Model, "__call__", counting)
+    return count
+
+
+def first_token_step(run: Scheduler, request, limit: int = 500) -> int:
+    """Step until the request has generated a token; how many steps that took."""
+    for steps in range(1, limit + 1):
+        run.step()
+        log = read_log(run.conn, request.id)
+        if any(e["type"] in ("delta", "done") for e in log):
+            return steps
+    raise AssertionError("no token came")
+
+
+def test_a_short_request_starts_within_a_chunk_or_two_while_long_prompts_prefill(
+        redis_conn, settings, worker_parts, small_chunks, processed):
+    longs = [chat(settings, f"{i}: {LONG_PROMPT}", max_tokens=4) for i in range(2)]
+    for request in longs:
+        submit(redis_conn, settings, request)
+    run = scheduler(redis_conn, settings, worker_parts)
+    step_until(run, lambda: run.text and sum(len(b) for b in run.text.values()) == 2
+               and all(p.fed for b in run.text.values() for p in b.prefilling))
+    short = chat(settings, QUESTIONS[0], max_tokens=4)
+    submit(redis_conn, settings, short)
+    run._next_look = 0.0
+    before = processed[0]
+    steps = first_token_step(run, short)
+    # Its own prompt and one decode step, plus at most one chunk of the long prompts: not a chunk of
+    # each long prompt for each step it waited (mlx-lm's generator fed every prompt each step).
+    assert processed[0] - before <= 2 * textbatch.PREFILL_CHUNK + 2, (processed[0] - before, steps)
+    assert all(not any(e["type"] == "done" for e in read_log(redis_conn, r.id)) for r in longs)
+    run.run()
+    assert texts(done(redis_conn, short.id)) == texts(alone(redis_conn, settings, worker_parts, short))
+
+
+def test_a_short_request_does_not_wait_for_a_big_requests_many_choices(redis_conn, settings, worker_parts):
+    big = contract.TextRequest(f"cmpl-{uuid.uuid4().hex}", ref(settings),
+                               contract.Sampling(max_tokens=6, temperature=1.0, seed=3),
+                               prompts=[f"Story {i}: once upon a time" for i in range(6)], n=2)
+    submit(redis_conn, settings, big, func=TEXT_COMPLETION)
+    run = scheduler(redis_conn, settings, worker_parts, max_batch=4)
+    step_until(run, lambda: run.text and sum(b.sequences for b in run.text.values()) == 4)
+    short = chat(settings, QUESTIONS[1], max_tokens=4)
+    submit(redis_conn, settings, short)
+    run._next_look = 0.0
+    # Its prompt, then a step that takes it into the generator, then its first token: not after the
+    # 8 choices that wait for a place before it (mlx-lm's generator queued it behind them).
+    assert first_token_step(run, short) <= 4
+    [batch] = run.text.values()
+    assert batch.sequences == 5 and batch.ready  # the big request's others still wait
+    run.run()
+    data = done(redis_conn, big.id)
+    assert len(data["choices"]) == 12 and texts(done(redis_conn, short.id)) == texts(
+        alone(redis_conn, settings, worker_parts, short))
+
+
+def test_a_turn_of_prompt_processing_goes_to_a_request_with_nothing_started_its_shortest_prompt_first():
+    big, long_one, new = object(), object(), object()
+    prompts = [Prompt(big, [], [], [], list(range(30)), 0), Prompt(long_one, [], [], [], list(range(2000)), 1),
+               Prompt(big, [], [], [], list(range(30)), 2), Prompt(new, [], [], [], list(range(900)), 3),
+               Prompt(new, [], [], [], list(range(40)), 4)]
+    started = Counter({big: 3})  # the big request already has choices decoding
+    turn = plan(prompts, started, 512)
+    # The new request's short prompt alone (the long ones do not fit whole in what is left, and the
+    # big request's prompts wait for the requests that have nothing under way).
+    assert [(p.order, n) for p, n in turn] == [(4, 39)]
+    # Long prompts in arrival order, a chunk at a time; the big request's only when none is left.
+    assert [(p.order, n) for p, n in plan(prompts[:4], started, 512)] == [(1, 512)]
+    assert [(p.order, n) for p, n in plan([prompts[0], prompts[2]], started, 512)] == [(0, 29), (2, 29)]
+
+
+def test_a_prompt_too_long_to_fit_is_refused_from_its_length_before_it_is_tokenized(worker_parts, settings):
+    models, _ = worker_parts
+    tokenizer = models.get(ref(settings)).processor
+    huge = [{"role": "user", "content": "word " * 12_000_000}]  # 60 MB
+    started = time.perf_counter()
+    with pytest.raises(ContextLengthExceeded, match="characters"):
+        textgen.prompt_ids(tokenizer, huge, None, 8192)
+    assert time.perf_counter() - started < 5  # tokenizing it took 81 s
+    # Text under the bound is tokenized and counted as before.
+    assert len(textgen.prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}], None, 8192)) < 40

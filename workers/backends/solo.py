@@ -3,24 +3,24 @@
 mlx-lm's batched generator costs a single stream about 40 % of its speed (on the H100: 0.60 of
 direct mlx-lm, docs/performance.md), and most of the time one user is all there is. So a batch's
 only sequence decodes here, on a plain KV cache, computing each next token while the current one is
-handed out; when a second request joins, the batched generator takes it over, cache and all.
+handed out; when a second sequence starts decoding, the batched generator takes it over, cache and
+all. Its prompt was processed before (workers/backends/prefill.py): only its last token is left.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
 
 class SoloDecoder:
-    """Prefill (a chunk per step), then decode one token per step."""
+    """Decode one token per step, from a processed prompt."""
 
-    def __init__(self, model, tokens: list[int], rest: list[int], cache, sampler, processors: list,
-                 max_tokens: int, eos: set[int], chunk: int):
+    def __init__(self, model, tokens: list[int], last: list[int], cache, sampler, processors: list,
+                 max_tokens: int, eos: set[int]):
         self.model, self.sampler, self.processors, self.eos = model, sampler, processors, eos
-        self.cache = cache if cache is not None else make_prompt_cache(model)
+        self.cache = cache
         self.fed = list(tokens)  # the tokens whose keys and values are in the cache, as ints
-        self.rest, self.chunk = list(rest), chunk  # prompt tokens still to process
+        self.rest = list(last)  # the prompt's last token, until decoding starts
         self.left = max_tokens  # tokens it may still hand out
         self.pending: mx.array | None = None  # the next token, being computed
         self._history = mx.array(self.fed + self.rest[:-1], mx.uint32) if processors else None
@@ -32,15 +32,8 @@ class SoloDecoder:
         """Whether its prompt is processed and a token is being computed."""
         return self.pending is not None
 
-    def step(self) -> tuple[int, str | None] | None:
-        """Process a chunk of prompt (None), or hand out the next token: (token, finish reason or None)."""
-        if len(self.rest) > 1:
-            n = min(self.chunk, len(self.rest) - 1)
-            part, self.rest = self.rest[:n], self.rest[n:]
-            self.model(mx.array(part)[None], cache=self.cache)
-            mx.eval([c.state for c in self.cache])
-            self.fed.extend(part)
-            return None
+    def step(self) -> tuple[int, str | None]:
+        """Hand out the next token: (token, finish reason or None)."""
         if self.pending is None:  # the prompt's last token starts decoding
             last = self.rest.pop()
             self.pending = self._forward(mx.array([last]))

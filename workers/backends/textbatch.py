@@ -1,8 +1,13 @@
 """Continuous batching of text requests on one model (mlx-lm's BatchGenerator).
 
-Every request for the model decodes in one batch: a request joins at the next step (its prompt
-processed in chunks of PREFILL_CHUNK tokens between decode steps, so a long prompt delays the
-others by one chunk at most) and leaves when it is done or canceled. Each sequence (a choice) has
+Every request for the model decodes in one batch: a request joins at the next step and leaves when
+it is done or canceled. Its prompts are processed first, in turns of at most PREFILL_CHUNK tokens
+(workers/backends/prefill.py: a new request's before the rest of a big one's); while anyone
+decodes, prompt processing gets at most half of the time, so a long prompt delays the others'
+tokens by one turn at most and a short request starts within a turn or two of arriving. Decoding
+holds up to `max_batch` sequences, shared out among requests fewest-first, and a request with
+nothing decoding yet always starts one, so none waits for another's many choices to finish.
+Each sequence (a choice) has
 its own sampler (workers/backends/sampling.py), stop strings (matched on text, never streamed),
 token budget and usage count. A finished sequence's KV cache goes to the worker's prompt cache, from
 which a later request that starts the same way (a system prompt, a conversation's earlier turns)
@@ -14,8 +19,9 @@ speed of a single stream; when another joins, the batch takes it over, cache and
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, make_stop_sequences
@@ -23,14 +29,15 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 
 from jobs.contract import Choice, TextResult
 from jobs.errors import Canceled, ModelTooLarge
-from workers.backends import sampling, textgen, toolcalls
+from workers.backends import prefill, sampling, textgen, toolcalls
 from workers.backends.base import Outcome
 from workers.backends.choice import Member, Sequence
+from workers.backends.prefill import Prompt, Start
 from workers.backends.solo import SoloDecoder
 from workers.backends.text import delta
 
 PREFILL_CHUNK = 512
-"""Prompt tokens processed per step: how long a new prompt may hold up the others' next token."""
+"""Prompt tokens processed per turn: how long a new prompt may hold up the others' next token."""
 
 
 def kv_bytes_per_token(model, float32: bool) -> int:
@@ -58,12 +65,19 @@ class TextBatch:
         self.key = str(resident.info.path)
         self.tokenizer = resident.processor
         self.vocab = textgen.output_size(resident.model, self.tokenizer)
-        self.generator = BatchGenerator(resident.model, completion_batch_size=max_batch,
-                                        prefill_batch_size=max_batch, prefill_step_size=PREFILL_CHUNK)
+        self.max_batch = max_batch
+        # Sequences reach the generator with their prompts processed, and only as many as this batch
+        # lets decode (max_batch, plus a first one for each request): its own limits never hold one back.
+        self.generator = BatchGenerator(resident.model, completion_batch_size=2 * max_batch,
+                                        prefill_batch_size=2 * max_batch, prefill_step_size=PREFILL_CHUNK)
         self.stop_tokens = make_stop_sequences(self.tokenizer)
         self.members: dict[object, Member] = {}
+        self.prefilling: list[Prompt] = []  # prompts being processed
+        self.ready: list[Start] = []  # choices whose prompts are processed, waiting for room to decode
         self.by_uid: dict[int, Sequence] = {}
         self.solo: tuple[Sequence, SoloDecoder] | None = None  # the lone sequence, decoding on its own
+        self.next_turn_at = 0.0  # while anyone decodes, no prompt-processing turn before this (monotonic)
+        self._order = itertools.count()
         self.interval = settings.stream_interval_ms / 1000
 
     def __len__(self) -> int:
@@ -76,15 +90,22 @@ class TextBatch:
 
     @property
     def sequences(self) -> int:
-        """How many choices are being generated."""
+        """How many choices are decoding."""
         return len(self.by_uid) + (self.solo is not None)
+
+    def _decoding(self) -> Counter:
+        """How many choices each request has decoding."""
+        counts = Counter(seq.task for seq in self.by_uid.values())
+        if self.solo is not None:
+            counts[self.solo[0].task] += 1
+        return counts
 
     def add(self, task) -> None:
         """Join the batch at the next step: one sequence per input and choice (`n`)."""
         request = task.request
         prompts = []  # every input checked before any is inserted: a refusal leaves the batch untouched
         for prompt in request.inputs:
-            ids = textgen.prompt_ids(self.tokenizer, prompt, request.tools)
+            ids = textgen.prompt_ids(self.tokenizer, prompt, request.tools, request.model.context_length)
             prompts.append((ids, textgen.token_budget(len(ids), request.sampling.max_tokens,
                                                       request.model.context_length)))
         need = self.kv_per_token * request.n * sum(len(ids) + budget for ids, budget in prompts)
@@ -109,12 +130,14 @@ class TextBatch:
                 self.prompt_cache.trim_to(n_bytes=room)
             self.waiting.popleft()
             self.reserved[task] = need
-            request = task.request
-            alone = not self.members and not self.waiting and len(prompts) * request.n == 1
-            if not alone and self.solo is not None:
-                self._hand_over()
-            sequences = [self._insert(task, i * request.n + copy, ids, budget, copy, alone)
-                         for i, (ids, budget) in enumerate(prompts) for copy in range(request.n)]
+            sequences = []
+            for i, (ids, budget) in enumerate(prompts):
+                prompt = self._prompt(task, i, ids, budget)
+                sequences += [start.seq for start in prompt.starts]
+                if prompt.left:
+                    self.prefilling.append(prompt)
+                else:  # all but its last token came from the prompt cache
+                    self.ready += prompt.ready()
             self.members[task] = Member(task, sequences)
 
     def remove(self, task) -> None:
@@ -126,18 +149,60 @@ class TextBatch:
             return
         if self.solo is not None and self.solo[0].task is task:
             self.solo = None
+        self.prefilling = [p for p in self.prefilling if p.task is not task]
+        self.ready = [s for s in self.ready if s.task is not task]
         uids = [uid for uid, seq in self.by_uid.items() if seq.task is task]
         self.generator.remove(uids)
         for uid in uids:
             del self.by_uid[uid]
 
     def step(self) -> list[tuple[object, Outcome | Exception]]:
-        """One decode step of the batch (and one prefill chunk); the requests that ended in it, each
-        with its answer or the error that ended it (a cancel)."""
+        """One turn of the batch: a decode step for everyone decoding, or a turn of prompt processing;
+        the requests that ended in it, each with its answer or the error that ended it (a cancel)."""
         self._let_in()
+        turn = self._prefill_turn_due()
+        if turn:
+            started = time.monotonic()
+            self._prefill(turn)
+            # Wall time, not the decode steps' own: a decode step's work overlaps the publishing
+            # around it (its next token is computed while this one is handed out).
+            ended = time.monotonic()
+            self.next_turn_at = max(self.next_turn_at, 2 * ended - started)
+        else:
+            self._decode()
+        self._start_ready()
+        return self._publish_and_collect()
+
+    def _prefill_turn_due(self) -> list[tuple[Prompt, int]]:
+        """The prompt-processing turn to take now, if one is due: always when nobody decodes, at once for
+        a new request's prompt that one turn finishes, else once the decoders have had as long as
+        the last turn took (prompt processing gets at most half of the time)."""
+        decoding = self._decoding()
+        started = decoding + Counter(start.task for start in self.ready)
+        room = sum(started.values()) < self.max_batch  # a request with nothing started may always start
+        eligible = [p for p in self.prefilling if room or not started[p.task]]
+        turn = prefill.plan(eligible, started, PREFILL_CHUNK)
+        if not turn or not decoding:
+            return turn
+        first, tokens = turn[0]
+        new = not started[first.task] and tokens == first.left
+        return turn if new or time.monotonic() >= self.next_turn_at else []
+
+    def _prefill(self, turn: list[tuple[Prompt, int]]) -> None:
+        """Process the turn's prompts; those that are done get ready to decode."""
+        with mx.stream(self.generator.stream):
+            for prompt, tokens in turn:
+                prompt.feed(self.resident.model, tokens)
+                if not prompt.left:
+                    self.prefilling.remove(prompt)
+                    self.ready += prompt.ready()
+
+    def _decode(self) -> None:
+        """One token for every decoding sequence (alone, or in the batched generator)."""
         if self.solo is not None:
-            self._step_solo()
-            return self._publish_and_collect()
+            return self._step_solo()
+        if not self.by_uid:
+            return
         _, responses = self.generator.next()
         stopped = []  # ended by one of our stop strings: mlx-lm still counts them as running
         for response in responses:
@@ -154,16 +219,32 @@ class TextBatch:
                 self.prompt_cache.insert_cache(self.key, list(tokens), cache)
         if responses:
             self._trim_kept()
-        return self._publish_and_collect()
+
+    def _start_ready(self) -> None:
+        """Start the ready choices that have room to decode: the requests with the fewest decoding
+        first, and any request's first whatever the room (so none waits for another's choices)."""
+        if not self.ready:
+            return
+        decoding = self._decoding()
+        total = sum(decoding.values())
+        for start in sorted(self.ready, key=lambda s: (decoding[s.task], s.order)):
+            if decoding[start.task] and total >= self.max_batch:
+                continue
+            self.ready.remove(start)
+            alone = not total and not self.ready
+            if not alone and self.solo is not None:
+                self._hand_over()
+            self._start(start, alone)
+            decoding[start.task] += 1
+            total += 1
 
     def _trim_kept(self) -> None:
         """Kept caches never crowd out running requests."""
         if self.prompt_cache.nbytes:
             self.prompt_cache.trim_to(n_bytes=max(0, self._kv_memory() - sum(self.reserved.values())))
 
-    def _insert(self, task, index: int, ids: list[int], budget: int, copy: int, alone: bool) -> Sequence:
-        """Start one sequence (on its own when `alone`), resuming from the longest cached prefix of its
-        prompt."""
+    def _prompt(self, task, index: int, ids: list[int], budget: int) -> Prompt:
+        """One input of a request and its `n` choices, resuming from the longest cached prefix of it."""
         request = task.request
         cache, rest = self.prompt_cache.fetch_nearest_cache(self.key, ids)
         if cache is not None and not rest:  # the whole prompt is cached: its last token must be fed again
@@ -173,17 +254,26 @@ class TextBatch:
             else:
                 cache, rest = None, ids
         cached = len(ids) - len(rest)
-        sampler = sampling.make_sampler(request.sampling, self.vocab, copy)
-        processors = sampling.logits_processors(request.sampling, self.tokenizer, self.vocab)
-        seq = Sequence(task, index, len(ids), cached, self.tokenizer.detokenizer,
-                       textgen.StopBuffer(request.sampling.stop), tokenizer=self.tokenizer,
-                       tools=toolcalls.for_request(request, self.tokenizer))
+        order = next(self._order)
+        starts = []
+        for copy in range(request.n):
+            seq = Sequence(task, index * request.n + copy, len(ids), cached, self.tokenizer.detokenizer,
+                           textgen.StopBuffer(request.sampling.stop), tokenizer=self.tokenizer,
+                           tools=toolcalls.for_request(request, self.tokenizer))
+            starts.append(Start(seq, budget, sampling.make_sampler(request.sampling, self.vocab, copy),
+                                sampling.logits_processors(request.sampling, self.tokenizer, self.vocab), order))
+        cache = cache if cache is not None else make_prompt_cache(self.resident.model)
+        return Prompt(task, starts, cache, ids[:cached], list(rest), order)
+
+    def _start(self, start: Start, alone: bool) -> None:
+        """Start decoding one choice: on its own when `alone`, else in the batched generator."""
         if alone:
-            self.solo = seq, SoloDecoder(self.resident.model, ids[:cached], rest, cache, sampler, processors,
-                                         budget, set(self.tokenizer.eos_token_ids), PREFILL_CHUNK)
+            self.solo = start.seq, SoloDecoder(self.resident.model, start.fed, start.last, start.cache,
+                                               start.sampler, start.processors, start.budget,
+                                               set(self.tokenizer.eos_token_ids))
         else:
-            self._insert_batched(seq, rest, cache, ids[:cached], budget, sampler, processors)
-        return seq
+            self._insert_batched(start.seq, start.last, start.cache, start.fed, start.budget, start.sampler,
+                                 start.processors)
 
     def _insert_batched(self, seq, prompt, cache, fed, budget, sampler, processors) -> None:
         (uid,) = self.generator.insert([prompt], max_tokens=[budget], caches=[cache], all_tokens=[fed],
@@ -196,13 +286,13 @@ class TextBatch:
         seq, solo = self.solo
         with mx.stream(self.generator.stream):
             out = solo.step()
-        if out is not None and seq.advance(*out, solo.last_logprobs):
+        if seq.advance(*out, solo.last_logprobs):
             self.solo = None
             self.prompt_cache.insert_cache(self.key, list(solo.fed), solo.cache)
             self._trim_kept()
 
     def _hand_over(self) -> None:
-        """Move the lone sequence into the batched generator, which another request is joining."""
+        """Move the lone sequence into the batched generator, which another sequence is joining."""
         seq, solo = self.solo
         self.solo = None
         prompt = solo.rest

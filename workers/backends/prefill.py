@@ -1,0 +1,89 @@
+"""Prompt processing for a text batch: in chunks, on each prompt's own cache, fairly among requests.
+
+mlx-lm's BatchGenerator processes every prompt it holds in each `next()`, beside its decode step,
+and holds sequences beyond its batch size back in arrival order. A short chat then got one token
+per chunk of two long prompts, and waited behind the last of another request's 64 choices. So a
+batch processes prompts before the generator sees them (workers/backends/textbatch.py): a turn is
+at most PREFILL_CHUNK tokens, given to the request with the least output under way (a new one
+first), the prompt that a single turn finishes before a longer one, then in arrival order. The
+choices of one prompt (`n`) share its processing; each starts from its own copy of the cache.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+
+@dataclass(eq=False)
+class Start:
+    """One choice of a prompt: what it decodes with, and, once the prompt is processed, its cache."""
+
+    seq: object  # its workers.backends.choice.Sequence
+    budget: int  # tokens it may generate
+    sampler: object
+    processors: list
+    order: int  # its prompt's arrival in the batch
+    cache: list | None = None
+    fed: list[int] = field(default_factory=list)  # the tokens in `cache`
+    last: list[int] = field(default_factory=list)  # the prompt's last token, fed by the decoder
+
+    @property
+    def task(self):
+        """The request it belongs to."""
+        return self.seq.task
+
+
+@dataclass(eq=False)
+class Prompt:
+    """One input of a request, being processed; its choices start from it when only one token is left."""
+
+    task: object
+    starts: list[Start]
+    cache: list
+    fed: list[int]  # the tokens whose keys and values are in the cache
+    rest: list[int]  # the tokens still to feed; the last one is the decoder's
+    order: int
+
+    @property
+    def left(self) -> int:
+        """Prompt tokens still to process before it can decode."""
+        return len(self.rest) - 1
+
+    def feed(self, model, n: int) -> None:
+        """Process its next `n` tokens into its cache."""
+        part, self.rest = self.rest[:n], self.rest[n:]
+        model(mx.array(part)[None], cache=self.cache)
+        mx.eval([c.state for c in self.cache])
+        self.fed.extend(part)
+
+    def ready(self) -> list[Start]:
+        """Its choices, each with a cache of its own, once prefill is over."""
+        for i, start in enumerate(self.starts):
+            start.cache = self.cache if i == len(self.starts) - 1 else copy.deepcopy(self.cache)
+            start.fed, start.last = list(self.fed), list(self.rest)
+        return self.starts
+
+
+def plan(prompts: list[Prompt], started: Counter, chunk: int) -> list[tuple[Prompt, int]]:
+    """The next turn: (prompt, tokens to process) pairs, at most `chunk` tokens in all.
+
+    `started` counts each request's choices that decode or are ready to. The first prompt in the
+    order gets a chunk (or what it has left). Whole prompts that fit in what remains of the turn
+    follow, from requests as far along as its own: many short prompts take one turn, a long one is
+    cut where it would be alone, and a new request's turn is not lengthened by an older one's.
+    """
+    ordered = sorted(prompts, key=lambda p: (started[p.task] > 0, p.left > chunk, p.order))
+    if not ordered:
+        return []
+    first = ordered[0]
+    turn = [(first, min(chunk, first.left))]
+    room = chunk - turn[0][1]
+    for prompt in ordered[1:]:
+        if 0 < prompt.left <= room and (started[prompt.task] > 0) == (started[first.task] > 0):
+            turn.append((prompt, prompt.left))
+            room -= prompt.left
+    return turn
