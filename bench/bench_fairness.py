@@ -85,14 +85,13 @@ def long_text(tokenizer, tokens: int, seed: int) -> str:
             return text
 
 
-def short_chat(base: str, model: str, max_tokens: int) -> dict:
-    """A short streamed greedy chat: seconds to its first content chunk and to its end."""
+def timed_chat(base: str, body: dict) -> dict:
+    """Stream one chat: seconds to its first content chunk and to its end (perf_counter of the end too)."""
     client = KeepAliveClient(base)
-    body = {"model": model, "messages": SHORT, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     t0 = time.perf_counter()
     first = None
     try:
-        for line in client.stream_lines("/v1/chat/completions", body):
+        for line in client.stream_lines("/v1/chat/completions", {**body, "temperature": 0, "stream": True}):
             if first is None and line.startswith("data: {") and '"content"' in line:
                 first = time.perf_counter()
             if line == "data: [DONE]":
@@ -101,6 +100,11 @@ def short_chat(base: str, model: str, max_tokens: int) -> dict:
         client.close()
     end = time.perf_counter()
     return {"ttft_s": (first or end) - t0, "total_s": end - t0, "ended_at": end}
+
+
+def short_chat(base: str, model: str, max_tokens: int) -> dict:
+    """A short streamed greedy chat: seconds to its first content chunk and to its end."""
+    return timed_chat(base, {"model": model, "messages": SHORT, "max_tokens": max_tokens})
 
 
 def in_thread(target, *args) -> tuple[threading.Thread, dict]:
@@ -122,18 +126,8 @@ def in_thread(target, *args) -> tuple[threading.Thread, dict]:
 
 def long_chat(base: str, model: str, text: str) -> dict:
     """A streamed chat on a long prompt: seconds to its first content chunk."""
-    client = KeepAliveClient(base)
-    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 8, "temperature": 0,
-            "stream": True}
-    t0 = time.perf_counter()
-    first = None
-    try:
-        for line in client.stream_lines("/v1/chat/completions", body):
-            if first is None and line.startswith("data: {") and '"content"' in line:
-                first = time.perf_counter()
-    finally:
-        client.close()
-    return {"ttft_s": (first or time.perf_counter()) - t0}
+    timed = timed_chat(base, {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": 8})
+    return {"ttft_s": timed["ttft_s"]}
 
 
 def completions(base: str, model: str, seed: int, max_tokens: int = 256, clients: list | None = None) -> dict:
