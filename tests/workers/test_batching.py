@@ -17,8 +17,6 @@ import mlx_lm.models.llama as llama
 import pytest
 from rq.job import JobStatus
 
-from bench.make_long_audio import build
-from bench.make_random_model import build as build_random_model
 from jobs import contract, keys, records
 from jobs.errors import ContextLengthExceeded
 from jobs.events import read_log
@@ -33,6 +31,8 @@ from jobs.queues import (
 )
 from jobs.settings import load_settings
 from jobs.store import resolve
+from tests.long_audio import build
+from tests.random_model import build as build_random_model
 from workers.backends import textbatch, textgen
 from workers.backends.prefill import Prompt, plan
 from workers.main import build_scheduler
@@ -261,7 +261,7 @@ def test_a_long_prompt_is_processed_in_chunks_between_the_others_tokens(redis_co
                                              for m in b.members.values() for s in m.sequences))
     long_prompt = chat(settings, LONG_PROMPT, max_tokens=4)
     submit(redis_conn, settings, long_prompt)
-    run._next_look = 0.0  # look at the queue at the next step
+    run.admission.look_now()  # look at the queue at the next step
     step_until(run, lambda: sum(len(b) for b in run.text.values()) == 2)
     [batch] = run.text.values()
     ours = next(m for t, m in batch.members.items() if t.request.id == short.id).sequences[0]
@@ -301,7 +301,7 @@ def test_a_request_decoding_alone_is_taken_over_by_the_batch_with_the_same_text(
     step_until(run, lambda: alone_and(joined_while))
     second = chat(settings, QUESTIONS[4], max_tokens=20)
     submit(redis_conn, settings, second)
-    run._next_look = 0.0  # look at the queue at the next step
+    run.admission.look_now()  # look at the queue at the next step
     if joined_while == "decoding":
         step_until(run, lambda: sum(b.sequences for b in run.text.values()) == 2)
         [batch] = run.text.values()
@@ -348,7 +348,7 @@ def test_a_short_request_starts_within_a_chunk_or_two_while_long_prompts_prefill
                and any(p.fed for b in run.text.values() for p in b.prefilling))
     short = chat(settings, QUESTIONS[0], max_tokens=4)
     submit(redis_conn, settings, short)
-    run._next_look = 0.0
+    run.admission.look_now()
     before = processed[0]
     steps = first_token_step(run, short)
     # Its own prompt and one decode step, plus at most one chunk of the long prompts: not a chunk of
@@ -368,7 +368,7 @@ def test_a_short_request_does_not_wait_for_a_big_requests_many_choices(redis_con
     step_until(run, lambda: run.text and sum(b.sequences for b in run.text.values()) == 4)
     short = chat(settings, QUESTIONS[1], max_tokens=4)
     submit(redis_conn, settings, short)
-    run._next_look = 0.0
+    run.admission.look_now()
     # Its prompt, then a step that takes it into the generator, then its first token: not after the
     # 8 choices that wait for a place before it (mlx-lm's generator queued it behind them).
     assert first_token_step(run, short) <= 4
@@ -405,3 +405,58 @@ def test_a_prompt_too_long_to_fit_is_refused_from_its_length_before_it_is_tokeni
     assert time.perf_counter() - started < 5  # tokenizing it took 81 s
     # Text under the bound is tokenized and counted as before.
     assert len(textgen.prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}], None, 8192)) < 40
+
+
+def test_whole_prompts_that_share_a_turn_are_processed_in_one_pass_as_they_would_be_alone(
+        worker_parts, settings, monkeypatch):
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from workers.backends.prefill import feed_together
+
+    models, _ = worker_parts
+    resident = models.get(ref(settings))
+    tokenizer = resident.processor
+    ids = [tokenizer.encode(f"Story {i}: once upon a time" + ", by the river" * i) for i in range(4)]
+
+    def prompts():
+        return [Prompt(None, [], make_prompt_cache(resident.model), [], list(i), n) for n, i in enumerate(ids)]
+
+    alone_ones, together = prompts(), prompts()
+    assert all(p.fresh for p in together)
+    for prompt in alone_ones:
+        prompt.feed(resident.model, prompt.left)
+    calls = []
+    forward = llama.Model.__call__
+    monkeypatch.setattr(llama.Model, "__call__", lambda self, x, *a, **k: calls.append(x.shape) or forward(self, x, *a, **k))
+    feed_together(resident.model, together)
+    monkeypatch.undo()
+    assert calls == [(4, max(len(i) for i in ids) - 1)]  # one pass, left-padded to the longest
+    for a, b in zip(alone_ones, together, strict=True):
+        assert (a.fed, a.rest, a.cache[0].offset) == (b.fed, b.rest, b.cache[0].offset)
+        # The same next-token distribution as processed alone (padding is masked, positions kept).
+        next_a = resident.model(mx.array(a.rest)[None], cache=a.cache)[0, -1]
+        next_b = resident.model(mx.array(b.rest)[None], cache=b.cache)[0, -1]
+        assert mx.allclose(next_a, next_b, atol=1e-3).item() and mx.argmax(next_a).item() == mx.argmax(next_b).item()
+
+
+def test_kept_caches_are_copies_of_their_rows_not_views_of_the_batch(redis_conn, settings, worker_parts):
+    import gc
+
+    import mlx.core as mx
+
+    requests = [chat(settings, q, max_tokens=16) for q in QUESTIONS]
+    for request in requests:
+        submit(redis_conn, settings, request)
+    run = scheduler(redis_conn, settings, worker_parts)
+    gc.collect()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    run.run()
+    gc.collect()
+    mx.clear_cache()
+    held = mx.get_active_memory() - before
+    # What stays after the batch is gone is the prompt cache's entries: a row each. A lazy row cut from
+    # the batch held the batch's whole key and value buffers (every row, room for 256 tokens each).
+    assert run.prompt_cache.nbytes > 0
+    assert held <= 1.25 * run.prompt_cache.nbytes + 2**20, (held, run.prompt_cache.nbytes)

@@ -190,9 +190,14 @@ class TextBatch:
 
     def _prefill(self, turn: list[tuple[Prompt, int]]) -> None:
         """Process the turn's prompts; those that are done get ready to decode."""
+        whole = [prompt for prompt, tokens in turn if tokens == prompt.left and prompt.fresh]
+        together = whole if len(whole) > 1 else []
         with mx.stream(self.generator.stream):
+            if together:
+                prefill.feed_together(self.resident.model, together)
             for prompt, tokens in turn:
-                prompt.feed(self.resident.model, tokens)
+                if prompt not in together:
+                    prompt.feed(self.resident.model, tokens)
                 if not prompt.left:
                     self.prefilling.remove(prompt)
                     self.ready += prompt.ready()
@@ -213,12 +218,19 @@ class TextBatch:
             if response.finish_reason is None:
                 stopped.append(response.uid)
             else:  # its cache serves later requests that start the same way
-                self.prompt_cache.insert_cache(self.key, list(response.all_tokens), response.prompt_cache)
+                self._keep(response.all_tokens, response.prompt_cache)
         if stopped:
             for cache, tokens in self.generator.remove(stopped, return_prompt_caches=True).values():
-                self.prompt_cache.insert_cache(self.key, list(tokens), cache)
+                self._keep(tokens, cache)
         if responses:
             self._trim_kept()
+
+    def _keep(self, tokens, cache: list) -> None:
+        """Put a finished sequence's cache in the prompt cache. It is a row cut from the batch's
+        buffers: evaluated now, it becomes a copy of its own; left lazy, the kept entry would hold
+        the whole batch's keys and values for as long as it stays (GiBs, never freed while idle)."""
+        mx.eval([c.state for c in cache])
+        self.prompt_cache.insert_cache(self.key, list(tokens), cache)
 
     def _start_ready(self) -> None:
         """Start the ready choices that have room to decode: the requests with the fewest decoding
