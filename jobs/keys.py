@@ -47,12 +47,12 @@ def result_key(job_id: str) -> str:
 
 
 def checkpoint_key(job_id: str) -> str:
-    """Hash holding a long job's resume state (written by the worker between chunks)."""
+    """Hash of a long job's checkpoint (jobs.checkpoints): its state, what was published, its continuations."""
     return f"{PREFIX}:ckpt:{job_id}"
 
 
 def checkpoint_segments(job_id: str) -> str:
-    """Hash of a transcription's finished segments by id (JSON), kept across resumed runs."""
+    """Hash of a checkpointed job's items by id (JSON; a transcription's segments), kept across resumed runs."""
     return f"{PREFIX}:ckpt:{job_id}:segments"
 
 

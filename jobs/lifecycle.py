@@ -5,6 +5,9 @@ things in the same order: the async job's record (result or error, final status)
 what the job no longer needs (its checkpoint and its spooled upload), and last the terminal event:
 a client who sees it finds the record final and nothing of the job left on disk. The worker ends the jobs it
 runs; readers (the web tier) and a starting worker end the jobs whose worker died.
+
+A job run in pieces checkpoints through its `JobRun` (jobs/checkpoints.py) and goes on elsewhere in
+one way, `continue_job`, whether its worker stopped or died.
 """
 
 from __future__ import annotations
@@ -17,12 +20,15 @@ import time
 import redis
 from rq.job import JobStatus
 
-from jobs import keys, records, spool
+from jobs import checkpoints, contract, keys, queues, records, spool
 from jobs.errors import Canceled, WorkerDied, error_data
 from jobs.events import DELTA, DONE, ERROR, PROGRESS, EventPublisher, decode, has_ended
 from jobs.queues import fetch_job
 from jobs.settings import Settings
 from jobs.webhooks import enqueue_delivery
+
+CONTINUATION_TIMEOUT_S = 3600
+"""RQ timeout of a continuation when the interrupted job's own timeout is unknown."""
 
 
 def publisher_for(conn: redis.Redis, settings: Settings) -> EventPublisher:
@@ -42,7 +48,7 @@ def end(conn: redis.Redis, settings: Settings, job_id: str, *, result: dict | No
     status = records.SUCCEEDED if error is None else records.status_of_error(error)
     if has_record:
         _record_end(conn, settings, job_id, status, result if result is not None else done, error)
-    conn.delete(keys.checkpoint_key(job_id), keys.checkpoint_segments(job_id))
+    checkpoints.discard(conn, job_id)
     spool.discard(settings.spool_dir, job_id)
     terminal = (DONE, done or {}) if error is None else (ERROR, error)
     published, _ = publisher_for(conn, settings).publish_many(job_id, [*(before or []), terminal])
@@ -101,6 +107,23 @@ class JobRun:
         if self.conn.exists(keys.cancel_flag(self.job_id)):
             raise Canceled("the job was canceled")
 
+    def restore(self, resume: bool) -> checkpoints.Saved | None:
+        """The checkpoint a resumed job goes on from (None: it starts from the beginning, and any old state goes)."""
+        saved = checkpoints.load(self.conn, self.job_id) if resume else None
+        if saved is None:
+            checkpoints.restart(self.conn, self.job_id)
+        return saved
+
+    def checkpoint(self, state: dict, items: list[dict], events: list[tuple[str, dict]]) -> None:
+        """Keep a piece's items and the state after it, then publish the piece's events (Canceled as `publish`)."""
+        stored = checkpoints.save(self.conn, self.settings, self.job_id, items, state)
+        self.publish(events)
+        checkpoints.mark_published(self.conn, self.job_id, stored)
+
+    def checkpointed(self) -> list[dict]:
+        """Every item checkpointed so far, in order, across the runs of a resumed job."""
+        return checkpoints.items(self.conn, self.job_id)
+
     def finish(self, done: dict, result: dict | None = None, before: list | None = None) -> None:
         """End the job with `done` (an async record keeps `result`, by default `done`)."""
         self.ended = True
@@ -113,6 +136,28 @@ class JobRun:
         data = error_data(exc)
         end(self.conn, self.settings, self.job_id, error=data, has_record=self.has_record)
         return data
+
+
+def continue_job(conn: redis.Redis, settings: Settings, request: contract.TranscriptionRequest, *, queue: str | None,
+                 func: str | None, timeout_s: float | None, attempts: int | None = None) -> str:
+    """Go on with an accepted job from its checkpoint, in a continuation "<id>_<n>" at the front of its batch
+    queue (`queue` if it is one, a model's own, else the shared one); return the continuation's RQ id.
+
+    The one way a job resumes: handed back by a worker that stops (or lost Redis), or restarted after its
+    worker died (`attempts` then counts the new start).
+    """
+    attempts = attempts or request.attempts
+    number = checkpoints.next_continuation(conn, request.id)
+    rq_id, func = f"{request.id}_{number}", func or queues.TRANSCRIPTION
+    lane_queue = queue if queue and queues.lane_of(queue) == queues.BATCH else queues.BATCH
+    payload = {**contract.to_payload(request), "resume": True, "attempts": attempts}
+    # Work already accepted: the queue's length limit is for new work.
+    queues.enqueue(conn, settings, lane_queue, func, payload, rq_id, limited=False, at_front=True,
+                   description=f"{func} {request.id} (continuation {number})",
+                   timeout_s=int(timeout_s or CONTINUATION_TIMEOUT_S),
+                   meta={"job_id": request.id, "continuation": number})
+    records.update(conn, request.id, attempts=attempts, rq_job_id=rq_id)
+    return rq_id
 
 
 def request_cancel(conn: redis.Redis, job_id: str, ttl_s: int) -> None:

@@ -95,8 +95,12 @@ def enqueue(
     timeout_s: int = 3600,
     at_front: bool = False,
     meta: dict | None = None,
+    limited: bool = True,
 ):
-    """Enqueue `func(payload)` with an explicit id and TTLs; raise QueueFull when over the limit."""
+    """Enqueue `func(payload)` with an explicit id and TTLs; raise QueueFull when over the limit.
+
+    `limited=False` for work already accepted (a continuation): the limit keeps out new work only.
+    """
     queue = get_queue(queue_name, connection)
     # The limit is checked in the same transaction as the push (no window between a check and the
     # push for other submitters): the job goes in first, the length after it decides, and a job over
@@ -109,7 +113,7 @@ def enqueue(
         )
         pipe.llen(queue.key)
         queued = pipe.execute()[-1]
-    if queued > settings.max_queued and _take_back(connection, queue, job):
+    if limited and queued > settings.max_queued and _take_back(connection, queue, job):
         raise QueueFull(f"queue {queue_name!r} holds {queued - 1} jobs (limit {settings.max_queued})")
     return job
 

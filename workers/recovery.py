@@ -3,8 +3,10 @@
 A worker runs this when it starts and every few seconds. Interactive jobs a dead worker was running
 are failed with `worker_died` (their callers wait for an answer now, not later). A batch transcription
 resumes from its last checkpoint as a continuation at the front of `batch` (it keeps its place in the
-order of submissions); one that keeps killing the worker is failed after MAX_ATTEMPTS starts. Other
-batch jobs (async chat) are failed: re-running them would stream their output twice.
+order of submissions; jobs.lifecycle.continue_job, as a warm stop hands one back); one that keeps
+killing the worker is failed after MAX_ATTEMPTS starts. Other batch jobs (async chat) are failed:
+re-running them would stream their output twice. The dead worker's RQ jobs are retired through
+workers/rqjobs.py.
 """
 
 from __future__ import annotations
@@ -16,16 +18,14 @@ from pathlib import Path
 
 import redis
 from rq.job import Job
-from rq.job_lifecycle import record_job_failure
-from rq.registry import StartedJobRegistry
-from rq.serializers import JSONSerializer
 
-from jobs import contract, keys, records
+from jobs import contract, records
 from jobs.connection import get_redis
 from jobs.errors import JobError, WorkerDied
-from jobs.lifecycle import end, worker_is_dead
-from jobs.queues import BATCH, TRANSCRIPTION, fetch_job, get_queue, known_worker_queues, lane_of
+from jobs.lifecycle import continue_job, end, worker_is_dead
+from jobs.queues import BATCH, known_worker_queues, lane_of
 from jobs.settings import Settings
+from workers import rqjobs
 
 log = logging.getLogger(__name__)
 
@@ -33,21 +33,14 @@ MAX_ATTEMPTS = 3
 """How many times a batch job may be started (first run plus restarts after crashes) before the
 worker gives up on it: a job that crashed the worker this many times would likely crash it again."""
 
-CONTINUATION_TIMEOUT_S = 3600
-"""RQ timeout of a continuation when the interrupted job's own timeout is unknown."""
-
 
 def recover(conn: redis.Redis, settings: Settings, own_name: str) -> list[str]:
     """Fail or resume every job a dead worker was running; return their ids (logical ones)."""
     recovered = []
     for queue in known_worker_queues(conn):
-        registry = StartedJobRegistry(queue, connection=conn, serializer=JSONSerializer)
-        for rq_id, execution_id in registry.get_job_and_execution_ids(cleanup=False):
-            job = fetch_job(conn, rq_id)
-            if job is None:
-                conn.zrem(registry.key, f"{rq_id}:{execution_id}")  # its hash expired: nothing to run
-            elif job.worker_name != own_name and worker_is_dead(conn, job.worker_name):
-                _retire(conn, registry, job, execution_id)
+        for job, execution_id in rqjobs.started(queue, conn):
+            if job.worker_name != own_name and worker_is_dead(conn, job.worker_name):
+                rqjobs.retire(job, execution_id, f"the worker {job.worker_name} died while running this job")
                 recovered.append(_restart(conn, settings, job) if lane_of(queue) == BATCH
                                  else _fail_dead(conn, settings, job))
     if recovered:
@@ -55,23 +48,10 @@ def recover(conn: redis.Redis, settings: Settings, own_name: str) -> list[str]:
     return recovered
 
 
-def _retire(conn: redis.Redis, registry: StartedJobRegistry, job: Job, execution_id: str) -> None:
-    """Move the dead worker's RQ job to failed (a resumed job lives on in its continuation)."""
-    with conn.pipeline() as pipe:
-        record_job_failure(job, f"the worker {job.worker_name} died while running this job", pipe)
-        pipe.zrem(registry.key, f"{job.id}:{execution_id}")
-        pipe.execute()
-
-
-def _logical_id(job: Job) -> str:
-    payload = job.args[0] if job.args and isinstance(job.args[0], dict) else {}
-    return str(payload.get("id") or job.id)
-
-
 def _fail_dead(conn: redis.Redis, settings: Settings, job: Job, message: str = "The worker died while running "
                "this job.", code: str = "worker_died") -> str:
     """End a job for good because its worker died: error event, record, webhook, checkpoint, upload."""
-    job_id = _logical_id(job)
+    job_id = rqjobs.logical_id(job)
     end(conn, settings, job_id, error=WorkerDied(message, code=code).as_data())
     return job_id
 
@@ -79,7 +59,7 @@ def _fail_dead(conn: redis.Redis, settings: Settings, job: Job, message: str = "
 def _restart(conn: redis.Redis, settings: Settings, job: Job) -> str:
     """Continue a resumable batch job from its checkpoint, or fail it; return its logical id."""
     try:
-        request = contract.parse(job.args[0] if job.args else {})
+        request = contract.parse(rqjobs.payload(job))
     except JobError:  # an unreadable payload cannot resume
         return _fail_dead(conn, settings, job)
     if not isinstance(request, contract.TranscriptionRequest):
@@ -88,24 +68,9 @@ def _restart(conn: redis.Redis, settings: Settings, job: Job) -> str:
     attempts = max(1, int(record.get("attempts") or request.attempts))
     if attempts >= MAX_ATTEMPTS:
         return _fail_dead(conn, settings, job, f"the job crashed the worker {attempts} times", "worker_crashed")
-    continuation = enqueue_continuation(conn, settings, job, request, attempts=attempts + 1)
-    records.update(conn, request.id, attempts=attempts + 1, rq_job_id=continuation.id)
+    continue_job(conn, settings, request, queue=job.origin, func=job.func_name, timeout_s=job.timeout,
+                 attempts=attempts + 1)
     return request.id
-
-
-def enqueue_continuation(conn: redis.Redis, settings: Settings, job: Job, request, attempts: int | None = None):
-    """Enqueue the request again, resuming from its checkpoint, at the front of its batch queue (the shared
-    one, or its model's own) as "<id>_<n>"."""
-    number = conn.hincrby(keys.checkpoint_key(request.id), "continuations", 1)
-    payload = {**contract.to_payload(request), "resume": True, "attempts": attempts or request.attempts}
-    # Not jobs.queues.enqueue: its queue-length limit is for new work, not work already accepted.
-    queue = job.origin if job.origin and lane_of(job.origin) == BATCH else BATCH
-    return get_queue(queue, conn).enqueue(
-        job.func_name or TRANSCRIPTION, payload, job_id=f"{request.id}_{number}", at_front=True,
-        job_timeout=int(job.timeout or CONTINUATION_TIMEOUT_S), result_ttl=settings.result_ttl_s,
-        failure_ttl=settings.result_ttl_s, ttl=settings.result_ttl_s, meta={"job_id": request.id, "continuation": number},
-        description=f"{job.func_name} {request.id} (continuation {number})",
-    )
 
 
 def clean_spool(settings: Settings, now: float | None = None) -> list[Path]:

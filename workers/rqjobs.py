@@ -15,6 +15,7 @@ from rq.exceptions import DequeueTimeout, NoSuchJobError
 from rq.executions import Execution
 from rq.job import Job, JobStatus
 from rq.job_lifecycle import record_job_failure
+from rq.registry import StartedJobRegistry
 from rq.results import Result
 from rq.serializers import JSONSerializer
 from rq.utils import as_text, now
@@ -57,6 +58,16 @@ def claim(queue: Queue, job_id: str) -> Job | None:
         return None
 
 
+def payload(job: Job) -> dict:
+    """The request an RQ job carries (its one argument; {} when it carries none)."""
+    return job.args[0] if job.args and isinstance(job.args[0], dict) else {}
+
+
+def logical_id(job: Job) -> str:
+    """The id of the job the RQ job runs (a continuation "<id>_<n>" runs job <id>)."""
+    return str(payload(job).get("id") or job.id)
+
+
 def start(job: Job, worker_name: str) -> Execution:
     """Record the job started by `worker_name` (status, started registry, execution)."""
     with job.connection.pipeline() as pipe:
@@ -97,6 +108,27 @@ def fail(job: Job, execution: Execution | None, reason: str) -> None:
         record_job_failure(job, reason, pipe)
         if execution is not None:
             execution.delete(job=job, pipeline=pipe)
+        pipe.execute()
+
+
+def started(queue_name: str, connection: redis.Redis) -> list[tuple[Job, str]]:
+    """The jobs started from a queue, each with its execution id; entries whose job expired are dropped."""
+    registry = StartedJobRegistry(queue_name, connection=connection, serializer=JSONSerializer)
+    found = []
+    for job_id, execution_id in registry.get_job_and_execution_ids(cleanup=False):
+        try:
+            found.append((Job.fetch(job_id, connection=connection, serializer=JSONSerializer), execution_id))
+        except NoSuchJobError:  # its hash expired: nothing to run
+            registry.remove_execution(Execution(execution_id, job_id, connection))
+    return found
+
+
+def retire(job: Job, execution_id: str, reason: str) -> None:
+    """Record failed a job whose worker died (a resumed job lives on in its continuation)."""
+    execution = Execution(execution_id, job.id, job.connection)
+    with job.connection.pipeline() as pipe:
+        record_job_failure(job, reason, pipe)
+        job.started_job_registry.remove_execution(execution, pipeline=pipe)
         pipe.execute()
 
 

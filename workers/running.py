@@ -9,12 +9,10 @@ from dataclasses import dataclass, field
 import redis
 from rq.job import Job
 
-from jobs import records
 from jobs.errors import JobError
-from jobs.lifecycle import JobRun
+from jobs.lifecycle import JobRun, continue_job
 from workers import rqjobs, worker_metrics
 from workers.backends.base import Outcome
-from workers.recovery import enqueue_continuation
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +67,11 @@ def resumable(task: Task) -> bool:
 
 def hand_back(scheduler, task: Task) -> None:
     """Stop a resumable task between pieces; a continuation from its checkpoint goes first in `batch`."""
-    continuation = enqueue_continuation(scheduler.conn, scheduler.settings, task.job, task.request)
-    records.update(scheduler.conn, task.run.job_id, rq_job_id=continuation.id)
-    rqjobs.succeed(task.job, task.execution, {"handed_back_to": continuation.id})
+    continuation = continue_job(scheduler.conn, scheduler.settings, task.request, queue=task.job.origin,
+                                func=task.job.func_name, timeout_s=task.job.timeout)
+    rqjobs.succeed(task.job, task.execution, {"handed_back_to": continuation})
     scheduler.release(task)
-    log.info("handed %s back to the queue as %s", task.run.job_id, continuation.id)
+    log.info("handed %s back to the queue as %s", task.run.job_id, continuation)
 
 
 def ride_out_redis(scheduler, exc: Exception) -> None:

@@ -58,3 +58,29 @@ def test_the_worker_is_listed_as_rq_dashboard_lists_workers(redis_conn):
     assert [w.name for w in Worker.all(connection=redis_conn, serializer=JSONSerializer)] == ["mlxq-test"]
     worker.register_death()
     assert Worker.all(connection=redis_conn) == []
+
+
+def test_payload_and_logical_id_unwrap_the_request_a_job_carries(redis_conn, settings):
+    continuation = queues.enqueue(redis_conn, settings, queues.BATCH, queues.TRANSCRIPTION, {"id": "job-3"}, "job-3_1")
+    assert rqjobs.payload(continuation) == {"id": "job-3"} and rqjobs.logical_id(continuation) == "job-3"
+    bare = queues.get_queue(queues.BATCH, redis_conn).enqueue(queues.TRANSCRIPTION, "not a dict", job_id="job-4")
+    assert rqjobs.payload(bare) == {} and rqjobs.logical_id(bare) == "job-4"
+
+
+def test_started_lists_running_jobs_and_drops_expired_ones_and_retire_fails_one(redis_conn, settings):
+    for job_id in ("job-live", "job-gone"):
+        _queued(redis_conn, settings, job_id, queues.BATCH)
+    batch = queues.get_queue(queues.BATCH, redis_conn)
+    executions = {}
+    for _ in range(2):
+        taken, _ = rqjobs.take([batch], redis_conn)
+        executions[taken.id] = rqjobs.start(taken, "worker-dead")
+    redis_conn.delete(queues.fetch_job(redis_conn, "job-gone").key)  # its hash expired
+    [(job, execution_id)] = rqjobs.started(queues.BATCH, redis_conn)
+    assert job.id == "job-live" and execution_id == executions["job-live"].id
+    assert batch.started_job_registry.get_job_ids(cleanup=False) == ["job-live"]
+    rqjobs.retire(job, execution_id, "the worker worker-dead died while running this job")
+    assert batch.started_job_registry.get_job_ids(cleanup=False) == []
+    fetched = queues.fetch_job(redis_conn, "job-live")
+    assert fetched.get_status() == JobStatus.FAILED and "died" in fetched.latest_result().exc_string
+    assert batch.failed_job_registry.get_job_ids() == ["job-live"]

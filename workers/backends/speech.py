@@ -1,9 +1,10 @@
 """The speech backend (mlx-audio Whisper): transcription window by window, checkpointed, resumable.
 
-After every 30 s window the run checkpoints (the segments so far and the state to go on from),
-publishes the window's segments and a progress event, then yields to the scheduler, which may run
-interactive work before the next window. A run resumed in another process (its worker died, or
-stopped) starts from the checkpoint and republishes the segments that were not yet published.
+After every 30 s window the run hands its checkpoint to its job (the window's segments and the state
+to go on from; jobs/checkpoints.py keeps it), which publishes the segments; then a progress event,
+and it yields to the scheduler, which may run interactive work before the next window. A run resumed
+in another process (its worker died, or stopped) starts from the checkpoint and first republishes the
+segments that were checkpointed but not yet published.
 
 Events: `segment` {"segment": <verbose_json segment>, "words": [...] (word timestamps only), "logprobs":
 [...] (include[]=logprobs only)},
@@ -13,16 +14,14 @@ A request with task "translate" runs the same way; its segments and result are i
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from jobs import keys, records
 from jobs.contract import TranscriptionRequest
 from jobs.errors import InvalidRequest
 from jobs.events import SEGMENT
-from jobs.settings import Settings
+from jobs.lifecycle import JobRun
 from workers import vad
 from workers.audio import probe
 from workers.backends import whisper, whisper_batch
@@ -39,10 +38,12 @@ class SpeechBackend:
         """Load an mlx-audio Whisper model (its tokenizer included)."""
         return whisper.load(path, float32)
 
-    def run(self, request: TranscriptionRequest, job, models) -> Iterator[Outcome | None]:
+    def run(self, request: TranscriptionRequest, job: JobRun, models) -> Iterator[Outcome | None]:
         """Transcribe the spooled file window by window; end with the verbose_json result."""
-        checkpoint = Checkpoint(job, request.word_timestamps, request.logprobs)
-        state = checkpoint.resume() if request.resume else checkpoint.clear()
+        saved = job.restore(request.resume)
+        if saved is not None:  # a resumed run: what was checkpointed but never published goes out first
+            job.publish(segment_events(saved.unpublished, request))
+        state = whisper.ResumeState.from_dict(saved.state) if saved is not None else None
         options = whisper.Options(language=request.language, prompt=request.prompt,
                                   temperature=request.temperature, word_timestamps=request.word_timestamps,
                                   max_duration_s=job.settings.max_audio_s, task=request.task,
@@ -61,10 +62,10 @@ class SpeechBackend:
             while True:
                 job.check_cancel()
                 chunk = next(chunks)
-                checkpoint.save(chunk)
+                job.checkpoint(chunk.state.to_dict(), chunk.segments, segment_events(chunk.segments, request))
                 job.progress(clock.progress(total_s if chunk.finished else chunk.state.offset_s))
                 if chunk.finished:
-                    result = build_result(checkpoint.segments(), chunk.state.language, total_s,
+                    result = build_result(job.checkpointed(), chunk.state.language, total_s,
                                           request.word_timestamps, request.task, request.logprobs)
                     yield Outcome({"result": result}, result=result)
                     return
@@ -79,61 +80,6 @@ def check_task(model, request: TranscriptionRequest) -> None:
     if request.task == "translate" and not model.is_multilingual:
         raise InvalidRequest(f"Model '{request.model.id}' is English-only: it cannot translate. Use a "
                              "multilingual Whisper model.", code="translation_not_supported", param="model")
-
-
-class Checkpoint:
-    """A transcription's resume state in Redis: its segments by id, the state after the last window,
-    and how many segments were published (they may be written and the worker die before publishing)."""
-
-    def __init__(self, job, words: bool, logprobs: bool = False):
-        self.job, self.words, self.logprobs = job, words, logprobs
-        self.conn, self.settings = job.conn, job.settings
-        self.key, self.segments_key = keys.checkpoint_key(job.job_id), keys.checkpoint_segments(job.job_id)
-
-    def clear(self) -> None:
-        """Start from the beginning: no state, no segments."""
-        self.conn.delete(self.key, self.segments_key)
-
-    def resume(self) -> whisper.ResumeState | None:
-        """The state to go on from (None before the first window), after republishing what was lost."""
-        raw = self.conn.hgetall(self.key)
-        if b"state" not in raw:
-            self.clear()
-            return None
-        self._publish(self.segments()[int(raw.get(b"published", 0)):])
-        return whisper.ResumeState.from_dict(json.loads(raw[b"state"]))
-
-    def save(self, chunk: whisper.ChunkResult) -> None:
-        """Checkpoint a window (segments by id, then the state, in one transaction), then publish it.
-
-        Segments are stored by id, so writing a window again (a retried command) changes nothing.
-        """
-        ttl = _checkpoint_ttl(self.settings)
-        with self.conn.pipeline() as pipe:
-            if chunk.segments:
-                pipe.hset(self.segments_key, mapping={str(seg["id"]): json.dumps(seg) for seg in chunk.segments})
-            pipe.hset(self.key, "state", json.dumps(chunk.state.to_dict()))
-            pipe.expire(self.segments_key, ttl)
-            pipe.expire(self.key, ttl)
-            pipe.execute()
-        self._publish(chunk.segments)
-        self.conn.hset(self.key, "published", chunk.state.next_id)
-
-    def segments(self) -> list[dict]:
-        """Every segment checkpointed so far, in order."""
-        stored = self.conn.hgetall(self.segments_key)
-        return [json.loads(stored[k]) for k in sorted(stored, key=int)]
-
-    def _publish(self, segments: list[dict]) -> None:
-        events = []
-        for seg in segments:
-            data = {"segment": verbose_segment(seg)}
-            if self.words:
-                data["words"] = seg.get("words", [])
-            if self.logprobs:
-                data["logprobs"] = seg.get("logprobs", [])
-            events.append((SEGMENT, data))
-        self.job.publish(events)
 
 
 class _Clock:
@@ -151,9 +97,17 @@ class _Clock:
         return {"done_s": round(done_s, 2), "total_s": round(self.total_s, 2), "percent": percent, "eta_s": eta}
 
 
-def _checkpoint_ttl(settings: Settings) -> int:
-    """Checkpoints live as long as a record that never ends (they are deleted when the job ends)."""
-    return settings.result_ttl_s * records.PENDING_TTL_FACTOR
+def segment_events(segments: list[dict], request: TranscriptionRequest) -> list[tuple[str, dict]]:
+    """The `segment` events of checkpointed segments (with their words and logprobs when asked)."""
+    events = []
+    for seg in segments:
+        data = {"segment": verbose_segment(seg)}
+        if request.word_timestamps:
+            data["words"] = seg.get("words", [])
+        if request.logprobs:
+            data["logprobs"] = seg.get("logprobs", [])
+        events.append((SEGMENT, data))
+    return events
 
 
 def verbose_segment(seg: dict) -> dict:
