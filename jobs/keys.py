@@ -46,6 +46,12 @@ def result_key(job_id: str) -> str:
     return f"{PREFIX}:jobresult:{job_id}"
 
 
+def conversation_key(job_id: str) -> str:
+    """String holding the conversation a stored response's job ran (JSON chat messages, its answer left out:
+    that is its result), which `previous_response_id` continues; kept apart like the result."""
+    return f"{PREFIX}:jobconv:{job_id}"
+
+
 def checkpoint_key(job_id: str) -> str:
     """Hash of a long job's checkpoint (jobs.checkpoints): its state, what was published, its continuations."""
     return f"{PREFIX}:ckpt:{job_id}"

@@ -14,7 +14,12 @@ import time
 import redis
 
 from jobs import keys
-from jobs.keys import checkpoint_key, record_key, result_key  # noqa: F401  (checkpoint_key: part of this API)
+from jobs.keys import (  # noqa: F401  (checkpoint_key: part of this API)
+    checkpoint_key,
+    conversation_key,
+    record_key,
+    result_key,
+)
 from jobs.queues import BATCH
 from jobs.settings import Settings
 
@@ -43,11 +48,14 @@ def status_of_error(error: dict) -> str:
     return CANCELED if error.get("code") == "canceled" else FAILED
 
 
-def create(conn: redis.Redis, settings: Settings, job_id: str, kind: str, fields: dict) -> dict:
-    """Create the record of a newly queued job and index it; return its public view.
+def create(conn: redis.Redis, settings: Settings, job_id: str, kind: str, fields: dict, listed: bool = True,
+           conversation: list[dict] | None = None) -> dict:
+    """Create the record of a newly queued job and index it (unless not `listed`); return its public view.
 
     `fields`: model, filename, params (dict), webhook_url, metadata (dict), duration_s, owner (who may
-    see the job: web.auth), and any internal extra (audio_path, rq_job_id: defaults to `job_id`).
+    see the job: web.auth), and any internal extra (audio_path, rq_job_id: defaults to `job_id`,
+    response: a stored response's settings). `conversation`: the messages a stored response ran, kept
+    beside the record under the same TTLs (`get_conversation`).
     """
     now = time.time()
     record = {"id": job_id, "kind": kind, "status": QUEUED, "created_at": now, "started_at": None,
@@ -56,8 +64,11 @@ def create(conn: redis.Redis, settings: Settings, job_id: str, kind: str, fields
     pipe = conn.pipeline()
     pipe.hset(record_key(job_id), mapping=_encode(record))
     pipe.expire(record_key(job_id), settings.result_ttl_s * PENDING_TTL_FACTOR)
-    pipe.zadd(JOBS_INDEX, {job_id: now})
-    pipe.zadd(owner_index(record["owner"]), {job_id: now})
+    if conversation is not None:
+        pipe.set(conversation_key(job_id), json.dumps(conversation), ex=settings.result_ttl_s * PENDING_TTL_FACTOR)
+    if listed:  # a stored synchronous response is no async job: /v1/jobs does not list it
+        pipe.zadd(JOBS_INDEX, {job_id: now})
+        pipe.zadd(owner_index(record["owner"]), {job_id: now})
     pipe.execute()
     return _public(record)
 
@@ -102,7 +113,7 @@ def set_status(conn: redis.Redis, settings: Settings, job_id: str, status: str, 
     pipe = conn.pipeline()
     pipe.hset(record_key(job_id), mapping=_encode(fields))
     ttl = settings.result_ttl_s if status in TERMINAL else settings.result_ttl_s * PENDING_TTL_FACTOR
-    for key in (record_key(job_id), result_key(job_id), checkpoint_key(job_id)):
+    for key in (record_key(job_id), result_key(job_id), conversation_key(job_id), checkpoint_key(job_id)):
         pipe.expire(key, ttl)
     pipe.execute()
 
@@ -115,6 +126,12 @@ def set_result(conn: redis.Redis, settings: Settings, job_id: str, result: dict)
 def get_result(conn: redis.Redis, job_id: str) -> dict | None:
     """Return the job's result, or None when there is none (yet, or any more)."""
     raw = conn.get(result_key(job_id))
+    return json.loads(raw) if raw else None
+
+
+def get_conversation(conn: redis.Redis, job_id: str) -> list[dict] | None:
+    """The conversation a stored response's job ran (its answer not included), or None."""
+    raw = conn.get(conversation_key(job_id))
     return json.loads(raw) if raw else None
 
 

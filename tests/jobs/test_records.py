@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from jobs import records
+from jobs.lifecycle import end
 from jobs.queues import BATCH, INTERACTIVE, enqueue
 
 FIELDS = {"model": "whisper-tiny.en", "filename": "talk.mp3", "params": {"response_format": "srt"},
@@ -56,6 +57,21 @@ def test_status_lifecycle_and_ttls(redis_conn, settings):
     assert records.get_result(redis_conn, "job-1") == {"text": "hi"}
     with pytest.raises(ValueError):
         records.set_status(redis_conn, settings, "job-1", "exploded")
+
+
+def test_a_stored_responses_record_keeps_its_conversation_unlisted_and_its_end_completes_it(redis_conn, settings):
+    conversation = [{"role": "user", "content": "Hi"}]
+    records.create(redis_conn, settings, "resp_1", "chat", {"model": "m", "response": {"store": True}},
+                   listed=False, conversation=conversation)
+    assert records.get_conversation(redis_conn, "resp_1") == conversation
+    assert redis_conn.ttl(records.conversation_key("resp_1")) > settings.result_ttl_s  # pending, as the record
+    assert records.list_jobs(redis_conn, None, 10, None)[0] == []  # no async job: /v1/jobs does not list it
+    done = {"choices": [{"index": 0, "text": "Hello", "finish_reason": "stop"}], "usage": {}}
+    assert end(redis_conn, settings, "resp_1", done=done)  # as the worker ends the job
+    assert records.get(redis_conn, "resp_1")["status"] == "succeeded"
+    assert records.get_result(redis_conn, "resp_1") == done
+    assert 0 < redis_conn.ttl(records.conversation_key("resp_1")) <= settings.result_ttl_s
+    assert records.get_conversation(redis_conn, "nope") is None
 
 
 def test_plain_error_becomes_message_and_code(redis_conn, settings):
