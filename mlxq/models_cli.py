@@ -150,7 +150,7 @@ def pull(repo: str):
 @_clean_errors
 def pull_demo():
     """Fetch and import the demo models (SmolLM2-135M-Instruct, Whisper tiny.en) and build the toy VLM."""
-    from workers.demo_pull import pull_demo as run_pull_demo
+    from workers.demo.pull import pull_demo as run_pull_demo
 
     for info in run_pull_demo(load_settings(), log=_progress):
         _report(info, "ready:")

@@ -25,7 +25,7 @@ MAX_TOOLS = 128
 """The most tools one request may define (OpenAI's limit)."""
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 TOOLS_MODEL = "smollm2-135m-tools"
-"""The demo model whose template renders tools (workers/importers/demo_tools.py): named in errors."""
+"""The demo model whose template renders tools (workers/demo/tools_model.py): named in errors."""
 CALL_MARKUP = {"json_tools": ("<tool_call>\n", "\n</tool_call>")}
 """How each tool-call format (jobs.model_files.TOOL_FORMATS) wraps one call's JSON, for the grammar."""
 

@@ -1,1 +1,1 @@
-"""Everything that touches MLX: the worker, its scheduler and model manager, backends, importers."""
+"""Everything that touches MLX: the worker, scheduler, model manager, backends, importers, demo builds."""

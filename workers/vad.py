@@ -49,8 +49,8 @@ SPLIT_SEARCH_S = 5.0  # a region too long for a piece is cut at its quietest win
 def model_path() -> Path:
     """Return the local path of the Silero VAD ONNX file, fetching it from its PyPI wheel once."""
     # Imported here: the fetch helpers pull in store code that using an explicit path does not need.
-    from workers.importers.demo_sources import fetch_wheel_file
     from workers.store_admin import downloads_dir
+    from workers.wheel_files import fetch_wheel_file
 
     return fetch_wheel_file(MODEL_PACKAGE, MODEL_VERSION, MODEL_MEMBER, downloads_dir())
 

@@ -8,7 +8,7 @@ trap 'cp /tmp/mlxq-bench-*.log "$out"/ 2>/dev/null || true' EXIT  # the servers'
 py=${PYTHON:-python3}
 "$py" bench/make_random_vlm.py --template "$tpl" --out /tmp/smolvlm500m >/dev/null
 # A held-out shapes picture at the model's own resolution: one 512x512 image, 64 image tokens.
-"$py" -c "from workers.importers import shapes; shapes.samples(4242, 1)[0].image.resize((512, 512)).save('/tmp/picture.png')"
+"$py" -c "from workers.demo import shapes; shapes.samples(4242, 1)[0].image.resize((512, 512)).save('/tmp/picture.png')"
 "$py" bench/bench_vision.py --model /tmp/smolvlm500m --image /tmp/picture.png --out "$out/vision-smolvlm500m.json" \
     "$@" > /dev/null
 "$py" -c "

@@ -11,7 +11,7 @@ import anthropic
 import pytest
 
 from web.app import create_app
-from workers.importers import shapes
+from workers.demo import shapes
 
 MODEL = "smollm2-135m"
 TOOLS_MODEL = "smollm2-135m-tools"

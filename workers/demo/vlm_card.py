@@ -63,8 +63,8 @@ downloading a real vision-language model. Do not use it for anything else.
 - Vision tower: a small SigLIP-style encoder whose lower layers are wired by hand (colour-free
   silhouette, its area and perimeter, colour evidence) and whose classifier layer is trained; the
   connector maps each of the 16 classes to four image-token embeddings learned through the frozen
-  language model (prompt tuning). See workers/importers/vlm_tower.py and vlm_train.py in mlxq.
-- Training data: synthetic pictures from workers/importers/shapes.py (deterministic seeds).
+  language model (prompt tuning). See workers/demo/vlm_tower.py and vlm_train.py in mlxq.
+- Training data: synthetic pictures from workers/demo/shapes.py (deterministic seeds).
 - Check at build time: {facts["verified"]}; image tokens of the right class on
   {facts["check_accuracy"]:.1%} of check images. Built in {facts["build_seconds"]} s.
 - Quantization: {facts["quantization"]}.

