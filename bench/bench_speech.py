@@ -36,7 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from bench.bench_text import reexec_with_worker_blas  # noqa: E402
 from bench.common import Proc, free_port, percentile, start_redis, wait_http, write_report  # noqa: E402
-from bench.make_long_audio import build, script_for  # noqa: E402
+from tests.long_audio import build, script_for  # noqa: E402
 
 SPEECH_MODEL = "whisper-tiny.en"
 WARMUP_AUDIO = REPO / "tests" / "fixtures" / "speech" / "garden.wav"

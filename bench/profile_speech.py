@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from bench.bench_speech import wav_seconds, wer  # noqa: E402
-from bench.make_long_audio import build, script_for  # noqa: E402
+from tests.long_audio import build, script_for  # noqa: E402
 
 
 class Timed:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from bench.make_long_audio import build  # noqa: E402
+from tests.long_audio import build  # noqa: E402
 
 
 def main() -> None:

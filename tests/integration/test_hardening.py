@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import redis
 
-from bench.make_long_audio import build
 from jobs import contract, keys, queues
 from jobs.events import read_log
 from jobs.settings import load_settings
 from jobs.store import resolve
 from tests.conftest import REPO, wait_until
+from tests.long_audio import build
 
 MODEL = "smollm2-135m"
 SPEECH = REPO / "tests" / "fixtures" / "speech"

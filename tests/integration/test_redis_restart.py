@@ -15,10 +15,10 @@ import httpx
 import pytest
 import redis
 
-from bench.make_long_audio import build
 from jobs.events import read_log
 from tests.conftest import RedisServer, wait_until
 from tests.integration.conftest import Service
+from tests.long_audio import build
 
 MODEL = "whisper-tiny.en"
 OUTAGE_S = 20

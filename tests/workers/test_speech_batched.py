@@ -8,8 +8,8 @@ import wave
 import numpy as np
 import pytest
 
-from bench.make_long_audio import build, fixture_names, script_for
 from tests.conftest import REPO
+from tests.long_audio import build, fixture_names, script_for
 from tests.workers.test_speech import assert_timeline, model, ref, wer, worker_parts  # noqa: F401  (fixtures)
 from workers import vad
 from workers.backends import whisper, whisper_batch
