@@ -21,7 +21,7 @@ SAMPLE_RATE = 16000
 WAV_PACKET_BYTES = 32 * 1024
 """Bytes per packet asked of FFmpeg's WAV demuxer for PCM, instead of its 4 KiB. Each packet costs tens of
 microseconds of Python-side decoding: a 30-minute 16 kHz WAV read in 0.84-1.13 s that way and in 0.18-0.19 s
-this way on the 2-core CPU (bench/NOTES.md); larger packets gain little and make opening slower."""
+this way on the 2-core CPU (bench/NOTES.md at 521c3a7); larger packets gain little and make opening slower."""
 
 
 def probe(path, max_duration_s: float | None = None) -> float:

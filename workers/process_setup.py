@@ -18,8 +18,9 @@ MLX_ENVIRONMENT = {
     # MLX's CUDA backend keeps LRU caches keyed by shape (cuDNN attention and convolution plans, cuFFT plans,
     # CUDA graphs) and counts every miss over the process's life: past twice a cache's size it throws on each
     # further miss ("Cache thrashing is happening"). On the H100 a process that had run attention over 513
-    # prompt lengths failed on the 514th; with this off, all 600 ran (bench/NOTES.md). A worker serves prompts
-    # and audio of every length; evicting and rebuilding a plan only costs time. MLX reads it as it loads.
+    # prompt lengths failed on the 514th; with this off, all 600 ran (bench/NOTES.md at 521c3a7). A worker
+    # serves prompts and audio of every length; evicting and rebuilding a plan only costs time. MLX reads it
+    # as it loads.
     "MLX_ENABLE_CACHE_THRASHING_CHECK": "0",
 }
 """MLX settings the worker starts with unless the operator's environment sets them."""
@@ -31,8 +32,8 @@ MMAP_THRESHOLD_BYTES = 128 * 1024
 glibc's threshold starts here too but rises to the size of each large block freed (up to 32 MiB), after which
 the audio and buffers of every batch come from the main heap and fragment it: on the H100 the worker's heap grew
 by about 230 MiB over its first two hours of batched audio, then stayed. Fixed, the peak grew 38-63 MiB from a
-30- to a 120-minute job instead of 272 (bench/NOTES.md). Not on a CPU: there MLX's arrays are malloc'd too, and
-each one would get fresh pages from the kernel (Whisper's sequential path took 1.6x as long)."""
+30- to a 120-minute job instead of 272 (bench/NOTES.md at 521c3a7). Not on a CPU: there MLX's arrays are
+malloc'd too, and each one would get fresh pages from the kernel (Whisper's sequential path took 1.6x as long)."""
 
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 

@@ -62,7 +62,7 @@ class SileroVAD:
         options = ort.SessionOptions()
         # One thread per call: the model is tiny (~0.1 ms a window), a thread pool inside a call only adds
         # hand-off cost; more cores are put to work by judging `parallel` blocks at once instead (the
-        # session is thread-safe and releases the GIL), measured in bench/NOTES.md.
+        # session is thread-safe and releases the GIL), measured in bench/NOTES.md at 521c3a7.
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
         self.session = ort.InferenceSession(str(path or model_path()), sess_options=options,

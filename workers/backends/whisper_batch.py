@@ -37,8 +37,8 @@ from workers.backends.segments import (
 )
 
 CPU_BATCH, GPU_BATCH = 8, 64
-"""Pieces decoded at once by default (settings.speech_batch = 0), measured in bench/NOTES.md: on a CPU the
-encoder gains nothing from batching and the decoder little past 8; on a GPU a decoding step costs about
+"""Pieces decoded at once by default (settings.speech_batch = 0), measured in bench/NOTES.md at 521c3a7: on a
+CPU the encoder gains nothing from batching and the decoder little past 8; on a GPU a decoding step costs about
 the same for 1 or 64 pieces (tiny.en on the H100: 53x real time at 1, 341x at 16, 605x at 64)."""
 
 GPU_CACHE_BYTES = 2 << 30
@@ -62,7 +62,8 @@ def transcribe_batches(model, path, options: whisper.Options, start_state: whisp
                 return
             segments, language = decode_windows(model, windows, options, state)
             # A batch's buffers have sizes of their own (caches grown step by step): give them back rather
-            # than keep them cached for batches that cannot reuse them (bench/NOTES.md, memory on the H100).
+            # than keep them cached for batches that cannot reuse them (bench/NOTES.md at 521c3a7, memory on
+            # the H100).
             mx.clear_cache()
             state = _advance(state, segments, windows[-1].end, language)
             yield whisper.ChunkResult([public_segment(seg) for seg in segments], state,
