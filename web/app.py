@@ -51,7 +51,6 @@ def create_app(settings: Settings | dict | None = None) -> Flask:
     _register_body_timeout(app, settings.body_timeout_s)
     register_auth(app)
     register_metrics(app)
-    messages_api.register_error_shape(app)
     register_error_handlers(app)
     api = MlxqApi(app, settings)
     for module in (openai_api, responses_api, messages_api, models_api, health, audio_api, jobs_api, admin_api):

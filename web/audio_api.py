@@ -9,11 +9,12 @@ from flask import g
 
 from jobs import queues
 from jobs.formats import TEXT_MIMETYPES
-from web import intake, render
+from web import intake
 from web.audio_schemas import TranscriptionFormSchema, TranslationFormSchema
 from web.errors import APIError
 from web.jobrun import stream_response, submit, wait_for_result
 from web.jsonbody import Blueprint
+from web.render.transcripts import Transcript
 from web.response_schemas import SSE, ServerSentEventSchema, TranscriptionSchema
 from web.uploads import Upload, accepts_upload, discard, keep
 
@@ -56,17 +57,16 @@ def _speech_to_text(form: dict, task: str):
     meta = {"kind": "transcription", "model": request.model.id, "filename": upload.filename,
             "duration_s": round(audio.duration_s, 3), "bytes": upload.size}
     submit(request, queues.TRANSCRIPTION, intake.describe_audio(upload, audio, request), meta=meta)
+    out = Transcript(form["response_format"], form["timestamp_granularities"], g.request_id)
     if form["stream"]:
-        response = stream_response(request.id, render.transcript_deltas(), render.stream_error(g.request_id),
-                                   trailer=None)
+        response = stream_response(request.id, out)
         response.call_on_close(functools.partial(discard, upload.directory))
         return response
-    result = _wait_then_discard(request.id, upload)
-    return render.transcription(result, form["response_format"], form["timestamp_granularities"])
+    return out.answer(_wait_then_discard(request.id, upload))
 
 
 def _wait_then_discard(job_id: str, upload: Upload) -> dict:
-    """Wait for the job's result; remove the upload once the job ended (kept on 504: it still runs)."""
+    """Wait for the job's `done` data; remove the upload once the job ended (kept on 504: it still runs)."""
     try:
         done = wait_for_result(job_id)
     except APIError as exc:
@@ -74,4 +74,4 @@ def _wait_then_discard(job_id: str, upload: Upload) -> dict:
             keep(upload)
         raise  # any other failure: accepts_upload removes the upload
     discard(upload.directory)
-    return done["result"]
+    return done

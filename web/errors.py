@@ -1,4 +1,5 @@
-"""One error envelope for every failure: `{"error": {message, type, param, code}, "request_id"}`."""
+"""Every failure answered in its API's error envelope (OpenAI's `{"error": {message, type, param, code},
+"request_id"}`, Anthropic's on /v1/messages: web/render/errors.py chooses); never a traceback."""
 
 from __future__ import annotations
 
@@ -9,27 +10,9 @@ from flask import Flask, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from jobs.queues import QueueFull
+from web.render.errors import error_body
 
 log = logging.getLogger(__name__)
-
-# OpenAI's error `type` for each status we answer with.
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    408: "timeout_error",
-    409: "conflict_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    429: "rate_limit_error",
-    499: "canceled_error",
-    500: "server_error",
-    503: "service_unavailable_error",
-    504: "timeout_error",
-    507: "insufficient_storage_error",
-}
 
 
 class APIError(Exception):
@@ -43,16 +26,10 @@ class APIError(Exception):
         self.extra = extra
 
 
-def envelope(status: int, message: str, code=None, param=None, **extra) -> dict:
-    """Build the error body for `status` (also used for SSE error events)."""
-    error = {"message": message, "type": _TYPES.get(status, "server_error"), "param": param, "code": code}
-    error.update(extra)
-    return {"error": error, "request_id": getattr(g, "request_id", None)}
-
-
 def error_response(status: int, message: str, code=None, param=None, headers=None, **extra):
-    """Return a JSON error response with the envelope and the given headers."""
-    response = jsonify(envelope(status, message, code, param, **extra))
+    """A JSON error response in the envelope of the API called (web/render/errors.py), with `headers`."""
+    error = {"message": message, "code": code, "param": param, **extra}
+    response = jsonify(error_body(request.path, status, error, getattr(g, "request_id", None)))
     response.status_code = status
     for name, value in (headers or {}).items():
         response.headers[name] = value

@@ -12,7 +12,7 @@ import logging
 import select
 import socket
 import time
-from typing import Callable, Iterator
+from typing import Iterator
 
 import redis
 from flask import Response, g, request
@@ -26,9 +26,10 @@ from jobs.queues import fetch_job
 from jobs.subscriber import IDLE, REDIS_DOWN, follow
 from web.auth import caller
 from web.errors import APIError
+from web.render.base import Renderer
+from web.render.sse import SSE_HEADERS, sse_comment
 from web.routing import any_worker_live, any_worker_takes, no_worker, queue_for
 from web.services import Services, services
-from web.sse import SSE_HEADERS, sse_comment, sse_data
 
 log = logging.getLogger(__name__)
 
@@ -66,20 +67,29 @@ def submit(request: Request, func: str, description: str, queue: str = queues.IN
     return request.id
 
 
-def submit_async(request: Request, kind: str, fields: dict, func: str, description: str, timeout_s: int,
-                 meta: dict) -> str | None:
-    """An async job: create its record (owned by the caller), then enqueue it on `batch` (or the model's
-    own batch queue); the record says failed if that is refused. Returns a note for the client when no
-    worker is live to take it (it waits for one), else None."""
+def submit_recorded(request: Request, kind: str, fields: dict, func: str, description: str,
+                    queue: str = queues.INTERACTIVE, timeout_s: int | None = None, meta: dict | None = None,
+                    listed: bool = True, conversation: list[dict] | None = None) -> None:
+    """A job that keeps a record (owned by the caller; `listed` by /v1/jobs), which its lifecycle ends:
+    create the record, then enqueue the job; the record says failed if that is refused."""
     svc = services()
-    records.create(svc.redis, svc.settings, request.id, kind, {**fields, "owner": caller().owner})
+    records.create(svc.redis, svc.settings, request.id, kind, {**fields, "owner": caller().owner}, listed=listed,
+                   conversation=conversation)
     try:
-        submit(request, func, description, queue=queues.BATCH, timeout_s=timeout_s, meta=meta)
+        submit(request, func, description, queue=queue, timeout_s=timeout_s, meta=meta)
     except Exception as exc:
         records.set_status(svc.redis, svc.settings, request.id, "failed",
                            error={"message": f"Not enqueued: {exc}", "code": "not_enqueued", "status": 503})
         raise
-    return None if any_worker_live(svc) else NO_WORKER_NOTE
+
+
+def submit_async(request: Request, kind: str, fields: dict, func: str, description: str, timeout_s: int,
+                 meta: dict, conversation: list[dict] | None = None) -> str | None:
+    """An async job: its record, then the job on `batch` (or the model's own batch queue). Returns a note
+    for the client when no worker is live to take it (it waits for one), else None."""
+    submit_recorded(request, kind, fields, func, description, queues.BATCH, timeout_s, meta,
+                    conversation=conversation)
+    return None if any_worker_live(services()) else NO_WORKER_NOTE
 
 
 def _events(svc: Services, job_id: str, deadline: float) -> Iterator[dict]:
@@ -109,8 +119,9 @@ def fail_if_unserved(svc: Services, job_id: str) -> bool:
     log.info("no live worker takes %s from %s; ending it", job_id, job.origin)
     request_cancel(svc.redis, job_id, svc.settings.result_ttl_s)
     gone = no_worker()
-    return end(svc.redis, svc.settings, job_id, has_record=False,
-               error={"message": gone.message, "code": gone.code, "status": gone.status})
+    # A call may keep a record (a stored response): it ends too.
+    return end(svc.redis, svc.settings, job_id, error={"message": gone.message, "code": gone.code,
+                                                        "status": gone.status})
 
 
 def error_from_event(data: dict) -> APIError:
@@ -165,9 +176,13 @@ def _cancel_quietly(svc: Services, job_id: str) -> None:
         log.warning("could not cancel %s: %s", job_id, exc)
 
 
-def stream_response(job_id: str, render: Callable[[dict], Iterator[str]], on_error: Callable[[dict], str],
-                    trailer: str | None = "[DONE]") -> Response:
-    """An SSE response: `render` frames each worker event; a disconnect cancels the job."""
+def answer(job_id: str, renderer: Renderer) -> Response:
+    """The whole answer, once the job is done, in the renderer's API's shape."""
+    return renderer.answer(wait_for_result(job_id))
+
+
+def stream_response(job_id: str, renderer: Renderer) -> Response:
+    """An SSE response: `renderer` frames each worker event; a disconnect cancels the job."""
     svc = services()
     deadline = time.monotonic() + svc.settings.sync_timeout_s
 
@@ -183,24 +198,23 @@ def stream_response(job_id: str, render: Callable[[dict], Iterator[str]], on_err
                     continue
                 if event["type"] == ERROR:
                     finished = True
-                    yield on_error(event["data"])
+                    yield renderer.error_frame(event["data"])
                     break
-                for chunk in render(event):
+                for chunk in renderer.frames(event):
                     last_write = time.monotonic()
                     yield chunk
                 if event["type"] == DONE:
                     finished = True
         except APIError as exc:
             finished = True
-            yield on_error({"status": exc.status, "message": exc.message, "code": exc.code, **exc.extra})
+            yield renderer.error_frame({"status": exc.status, "message": exc.message, "code": exc.code, **exc.extra})
         except REDIS_DOWN as exc:  # away past follow's bound: say so, and end the stream properly
             log.warning("stream of %s: Redis unreachable (%s)", job_id, exc)
-            yield on_error(QUEUE_UNAVAILABLE)
+            yield renderer.error_frame(QUEUE_UNAVAILABLE)
         finally:
             if not finished:  # the client went away (or Redis did): stop spending the GPU on it
                 log.info("stream of %s ended early; canceling it", job_id)
                 _cancel_quietly(svc, job_id)
-        if trailer:
-            yield sse_data(trailer)
+        yield from renderer.closing()
 
     return Response(generate(), mimetype="text/event-stream", headers=SSE_HEADERS)

@@ -11,7 +11,7 @@ from jobs import queues, records
 from jobs.events import HEARTBEAT, has_ended, read_log
 from jobs.lifecycle import cancel_queued, request_cancel, settle
 from jobs.subscriber import IDLE, follow
-from web import intake, render
+from web import intake
 from web.audio_schemas import (
     EventsQuerySchema,
     JobAcceptedSchema,
@@ -27,9 +27,11 @@ from web.errors import APIError
 from web.jobrun import KEEPALIVE_S, submit_async
 from web.jsonbody import Blueprint
 from web.media_parts import accepts_media_parts
+from web.render.jobs import event_frame, result_body
+from web.render.sse import SSE_HEADERS, sse_comment
+from web.render.transcripts import transcription
 from web.response_schemas import SSE, TEXT, AnyObjectSchema, ServerSentEventSchema
 from web.services import Services, services
-from web.sse import SSE_HEADERS, sse_comment, sse_data
 from web.uploads import accepts_upload
 
 blp = Blueprint("jobs", __name__, url_prefix="/v1/jobs", description="Async jobs: transcriptions and chat")
@@ -125,7 +127,7 @@ def get_job(job_id: str):
     if record["status"] == "queued":
         extra["queue_position"] = records.queue_position(svc.redis, job_id)
     if record["status"] == "succeeded":
-        extra["result"] = render.job_result(record, records.get_result(svc.redis, job_id))
+        extra["result"] = result_body(record, records.get_result(svc.redis, job_id))
     return {**record, **extra}
 
 
@@ -155,10 +157,10 @@ def job_result(query, job_id: str):
     if result is None:
         raise APIError(404, f"The result of job '{job_id}' has expired.", "result_expired")
     if record["kind"] != "transcription":
-        return jsonify(render.job_result(record, result))
+        return jsonify(result_body(record, result))
     params = (records.load(svc.redis, job_id) or {}).get("params") or {}
     fmt = query["format"] or params.get("response_format") or "json"
-    return render.transcription(result, fmt, params.get("timestamp_granularities") or ("segment",))
+    return transcription(result, fmt, params.get("timestamp_granularities") or ("segment",))
 
 
 _EVENT_ID = re.compile(r"^[0-9]{1,15}$")
@@ -209,7 +211,7 @@ def _event_stream(svc: Services, job_id: str, after: int):
         if event["type"] == HEARTBEAT:
             continue
         last_write = time.monotonic()
-        yield sse_data(event["data"], event_id=event["id"], event=event["type"])
+        yield event_frame(event)
 
 
 @blp.route("/<job_id>", methods=["DELETE"])

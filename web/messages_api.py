@@ -1,38 +1,25 @@
 """POST /v1/messages: Anthropic's Messages API, run as a chat job, with Anthropic's shapes and errors.
 
-Requests become chat completion bodies (validated like one: web/schemas.py), answers a `message`
-object or Anthropic's event stream (message_start ... message_stop). Errors on /v1/messages,
-wherever they arise (auth, validation, the worker), leave in Anthropic's error shape.
+Requests become chat completion bodies (validated like one: web/schemas.py); answers are a `message`
+object or Anthropic's event stream, and errors Anthropic's envelope (web/render/anthropic.py).
 """
 
 from __future__ import annotations
 
-import json
-
-from flask import Flask, jsonify, request
 from marshmallow import EXCLUDE, Schema, fields, validate
 
 from jobs import queues
-from jobs.events import DELTA, DONE
 from web import intake
 from web import messages_tools as mt
 from web.errors import APIError
-from web.jobrun import stream_response, submit, wait_for_result
+from web.jobrun import answer, stream_response, submit
 from web.jsonbody import Blueprint
 from web.media_parts import accepts_media_parts
+from web.render.anthropic import Message
 from web.response_schemas import SSE, AnyObjectSchema, ServerSentEventSchema
 from web.schemas import load_chat
-from web.sse import sse_data
 
 blp = Blueprint("messages", __name__, url_prefix="/v1/messages", description="Anthropic's Messages API")
-
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
-"""Anthropic's error type for each status (others: api_error)."""
-
-STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
-"""The worker's finish reasons as Anthropic's stop reasons. A stop sequence reports end_turn: the worker
-finishes "stop" for it and for the end of sequence alike, without saying which string matched."""
 
 TOOL_BLOCKS = {"tool_use": "assistant", "tool_result": "user"}
 """Which role's messages carry each tool block."""
@@ -69,9 +56,8 @@ def create_message(body):
     chat = _as_chat(body)
     job = intake.chat_request(chat, queues.new_job_id("msg"))
     submit(job, intake.chat_func(job), f"message {job.model.id}")
-    if body["stream"]:
-        return stream_response(job.id, _events(job.id, job.model.id), _error_event, trailer=None)
-    return jsonify(_message(job.id, job.model.id, wait_for_result(job.id)))
+    out = Message(job.id, job.model.id)
+    return stream_response(job.id, out) if body["stream"] else answer(job.id, out)
 
 
 def _as_chat(body: dict) -> dict:
@@ -165,129 +151,3 @@ def _image_url(source, param: str) -> str:
         if not isinstance(source.get(field), str) or not source[field]:
             raise mt.bad(f"{param}.{field}", "must be a non-empty string")
     return f"data:{source['media_type']};base64,{source['data']}" if kind == "base64" else source["url"]
-
-
-def _message(message_id: str, model: str, done: dict) -> dict:
-    """Anthropic's `message` object from a chat job's `done` data: its text, then a tool_use block per call."""
-    choice = done["choices"][0]
-    calls = mt.tool_use_blocks(choice.get("tool_calls"))
-    # The markup cut out around calls leaves line breaks: blank text beside calls is no block.
-    text = [{"type": "text", "text": choice["text"]}] if choice["text"].strip() or not calls else []
-    return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": text + calls,
-            "stop_reason": "stop_sequence" if choice.get("stop_sequence") and choice["finish_reason"] == "stop"
-            else STOP_REASONS.get(choice["finish_reason"], "end_turn"), "stop_sequence": choice.get("stop_sequence"),
-            "usage": {"input_tokens": done["usage"]["prompt_tokens"], "output_tokens": done["usage"]["completion_tokens"]}}
-
-
-def _event(kind: str, **data) -> str:
-    """One frame of Anthropic's stream (its `event:` name is its type)."""
-    return sse_data({"type": kind, **data}, event=kind)
-
-
-class _Blocks:
-    """A streamed message's content blocks, at consecutive indexes: a text block opens at the first text
-    that is not blank (as in `_message`), each tool call is a block of its own, sent whole."""
-
-    def __init__(self):
-        self.index, self.open, self.blank, self.sent = 0, False, "", set()
-
-    def text(self, text: str):
-        """Frames for a piece of the answer's text."""
-        if not self.open:
-            self.blank += text
-            if not self.blank.strip():
-                return
-            text, self.blank, self.open = self.blank, "", True
-            yield _event("content_block_start", index=self.index, content_block={"type": "text", "text": ""})
-        if text:
-            yield _event("content_block_delta", index=self.index, delta={"type": "text_delta", "text": text})
-
-    def call(self, call: dict):
-        """Frames for one complete tool call: its block, its input in one delta (once per call)."""
-        if call["id"] in self.sent:
-            return
-        self.sent.add(call["id"])
-        yield from self._stop()
-        self.blank = ""
-        block = mt.tool_use_blocks([call])[0]
-        yield _event("content_block_start", index=self.index, content_block={**block, "input": {}})
-        yield _event("content_block_delta", index=self.index,
-                     delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)})
-        yield _event("content_block_stop", index=self.index)
-        self.index += 1
-
-    def end(self):
-        """Frames that close the content; an answer without blocks still has its text block, blank or empty."""
-        if not self.open and not self.index:
-            yield _event("content_block_start", index=0, content_block={"type": "text", "text": ""})
-            if self.blank:
-                yield _event("content_block_delta", index=0, delta={"type": "text_delta", "text": self.blank})
-            self.open = True
-        yield from self._stop()
-
-    def _stop(self):
-        """Frames that close the open block, if one is."""
-        if self.open:
-            yield _event("content_block_stop", index=self.index)
-            self.index, self.open = self.index + 1, False
-
-
-def _events(message_id: str, model: str):
-    """A renderer of a chat job's events as Anthropic's stream (message_start ... message_stop)."""
-    started: list[bool] = []
-    blocks = _Blocks()
-
-    def frames(job_event: dict):
-        if not started:
-            started.append(True)
-            yield _event("message_start", message={"id": message_id, "type": "message", "role": "assistant",
-                                                   "model": model, "content": [], "stop_reason": None,
-                                                   "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}})
-        data = job_event["data"]
-        if job_event["type"] == DELTA:
-            yield from blocks.text(data["text"])
-            for call in data.get("tool_calls") or ():
-                yield from blocks.call(call)
-        elif job_event["type"] == DONE:
-            for call in data["choices"][0].get("tool_calls") or ():  # any a delta did not carry
-                yield from blocks.call(call)
-            yield from blocks.end()
-            final = _message(message_id, model, data)
-            yield _event("message_delta", delta={"stop_reason": final["stop_reason"],
-                                                 "stop_sequence": final["stop_sequence"]},
-                         usage={"output_tokens": final["usage"]["output_tokens"],
-                                "input_tokens": final["usage"]["input_tokens"]})
-            yield _event("message_stop")
-
-    return frames
-
-
-def _error_event(error: dict) -> str:
-    """The stream's `error` event for a job that failed, in Anthropic's shape."""
-    status = int(error.get("status") or 500)
-    return sse_data({"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"),
-                                                "message": _naming(error)}}, event="error")
-
-
-def _naming(error: dict) -> str:
-    """An error's message, naming its field: Anthropic's errors have no `param`, so the message starts
-    with it ("tools.0.input_schema: ...") unless it names it already."""
-    message, param = error.get("message") or "", error.get("param")
-    if not param or message.startswith(param) or f"'{param}'" in message:
-        return message
-    return f"{param}: {message}"
-
-
-def register_error_shape(app: Flask) -> None:
-    """Rewrite error answers on /v1/messages into Anthropic's shape (the request id header stays)."""
-
-    @app.after_request
-    def _anthropic_errors(response):
-        if not request.path.startswith("/v1/messages") or response.status_code < 400 or not response.is_json:
-            return response
-        error = (response.get_json(silent=True) or {}).get("error") or {}
-        body = {"type": "error", "error": {"type": ERROR_TYPES.get(response.status_code, "api_error"),
-                                           "message": _naming(error)},
-                "request_id": response.headers.get("X-Request-ID")}
-        response.set_data(json.dumps(body))
-        return response

@@ -1,8 +1,9 @@
 """Anthropic tool use for POST /v1/messages: `tools` and `tool_choice` as web.tools' Tools and mode,
-`tool_use` / `tool_result` blocks as chat tool calls and tool messages, and calls as `tool_use` blocks.
+`tool_use` / `tool_result` blocks as chat tool calls and tool messages (the calls answered as `tool_use`
+blocks: web/render/anthropic.py).
 
 Errors are 400s whose `param` is Anthropic's dotted path (`tools.0.input_schema`,
-`messages.2.content.0.tool_use_id`); web/messages_api.py puts it in front of the message.
+`messages.2.content.0.tool_use_id`); Anthropic's envelope puts it in front of the message.
 """
 
 from __future__ import annotations
@@ -119,24 +120,3 @@ def _ids(message, kind: str, key: str) -> dict[int, str]:
         return {}
     return {j: block.get(key) for j, block in enumerate(content)
             if isinstance(block, dict) and block.get("type") == kind}
-
-
-def tool_use_blocks(calls: list | None) -> list[dict]:
-    """The worker's calls as Anthropic's `tool_use` content blocks."""
-    return [{"type": "tool_use", "id": tool_use_id(call["id"]), "name": call["name"], "input": tool_input(call)}
-            for call in calls or []]
-
-
-def tool_use_id(call_id: str) -> str:
-    """Anthropic's id for a call ("toolu_..."), from the worker's ("call_<hex>")."""
-    return "toolu_" + call_id.removeprefix("call_")
-
-
-def tool_input(call: dict) -> dict:
-    """A call's arguments as the object `input` is; {} when the model wrote something else (a grammar
-    holds forced calls to their schema, but a freely chosen call's arguments are the model's)."""
-    try:
-        value = json.loads(call["arguments"] or "{}")
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}

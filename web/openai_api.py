@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import time
 
-from flask import g, jsonify
+from flask import g
 
 from jobs import queues
-from web import intake, render
-from web.jobrun import stream_response, submit, wait_for_result
+from web import intake
+from web.jobrun import answer, stream_response, submit
 from web.jsonbody import Blueprint
 from web.media_parts import accepts_media_parts
+from web.render.openai import Chat, Completion
 from web.response_schemas import SSE, ChatCompletionSchema, CompletionSchema, ServerSentEventSchema
 from web.schemas import ChatCompletionRequestSchema, CompletionRequestSchema
 
@@ -31,11 +32,8 @@ def chat_completions(body):
     """Create a chat completion (plain JSON, or SSE chunks when `stream` is true)."""
     request = intake.chat_request(body, queues.new_job_id("chatcmpl"))
     submit(request, intake.chat_func(request), f"chat {request.model.id}")
-    created = int(time.time())
-    if body["stream"]:
-        frames = render.chat_chunks(request.id, request.model.id, created, _usage_wanted(body))
-        return stream_response(request.id, frames, render.stream_error(g.request_id))
-    return jsonify(render.chat_completion(request.id, created, wait_for_result(request.id)))
+    out = Chat(request.id, request.model.id, int(time.time()), _usage_wanted(body), g.request_id)
+    return stream_response(request.id, out) if body["stream"] else answer(request.id, out)
 
 
 @blp.route("/completions", methods=["POST"])
@@ -47,8 +45,5 @@ def completions(body):
     """Create a text completion for one prompt or a list of prompts (one choice each)."""
     request = intake.completion_request(body, queues.new_job_id("cmpl"))
     submit(request, queues.TEXT_COMPLETION, f"completion {request.model.id}")
-    created = int(time.time())
-    if body["stream"]:
-        frames = render.completion_chunks(request.id, request.model.id, created, _usage_wanted(body))
-        return stream_response(request.id, frames, render.stream_error(g.request_id))
-    return jsonify(render.text_completion(request.id, created, wait_for_result(request.id)))
+    out = Completion(request.id, request.model.id, int(time.time()), _usage_wanted(body), g.request_id)
+    return stream_response(request.id, out) if body["stream"] else answer(request.id, out)

@@ -57,7 +57,7 @@ ANTHROPIC_ERROR = {
                              "properties": {"type": {"type": "string"}, "message": {"type": "string"}}},
                    "request_id": {"type": "string", "nullable": True}},
 }
-"""Anthropic's error shape, which /v1/messages answers with (web/messages_api.py)."""
+"""Anthropic's error shape, which /v1/messages answers with (web/render/anthropic.py)."""
 
 
 class AnthropicErrors(BasePlugin):

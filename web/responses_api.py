@@ -1,27 +1,30 @@
-"""POST /v1/responses and GET /v1/responses/{id}: OpenAI's Responses API, run as chat jobs (web/responses.py)."""
+"""POST /v1/responses, GET /v1/responses/{id} and its cancel: OpenAI's Responses API, run as chat jobs
+(web/responses.py), answered by web/render/responses.py."""
 
 from __future__ import annotations
 
 from flask import jsonify
 from marshmallow import EXCLUDE, Schema, ValidationError, fields, validate, validates_schema
 
-from jobs import queues
-from jobs.events import DELTA, DONE
+from jobs import queues, records
+from jobs.lifecycle import cancel_queued, request_cancel, settle
 from web import intake
 from web import responses as rs
-from web import responses_background as background
 from web import responses_tools as tools
 from web.auth import caller
 from web.errors import APIError
-from web.jobrun import stream_response, submit, wait_for_result
+from web.jobrun import answer, stream_response, submit, submit_async, submit_recorded
 from web.jsonbody import Blueprint
 from web.media_parts import accepts_media_parts
+from web.render.responses import Responses, echo, from_record
 from web.response_schemas import SSE, AnyObjectSchema, ServerSentEventSchema
 from web.schemas import load_chat
 from web.services import services
-from web.sse import sse_data
 
 blp = Blueprint("responses", __name__, url_prefix="/v1/responses", description="OpenAI's Responses API")
+
+CHAT_TIMEOUT_S = 3600
+"""RQ timeout of a background response's job."""
 
 CHAT_FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
 """The chat fields a Responses request becomes, and the fields an error about them names."""
@@ -65,61 +68,84 @@ class ResponsesRequestSchema(Schema):
 @blp.alt_response(200, schema=ServerSentEventSchema, content_type=SSE, success=True)
 def create_response(body):
     """Create a model response (plain JSON, or its stream of events)."""
-    svc, who = services(), caller()
-    previous = None
-    if body["previous_response_id"]:
-        previous = rs.load_stored(svc.redis, body["previous_response_id"], who.owner, who.admin)
-        if previous is None:
-            raise APIError(404, f"No stored response '{body['previous_response_id']}' (it may have expired).",
-                           "previous_response_not_found", "previous_response_id")
-        if background.refresh(svc, previous)["status"] not in ("completed", "incomplete"):
-            raise APIError(400, f"Response '{body['previous_response_id']}' has not completed.", "invalid_value",
-                           "previous_response_id")
-        previous = rs.load_stored(svc.redis, body["previous_response_id"], who.owner, who.admin)
-    body["model"] = body["model"] or (previous["response"]["model"] if previous else None)
-    messages = rs.to_messages(body, previous)
-    try:
-        request = intake.chat_request(_as_chat(body, messages), queues.new_job_id("resp"),
-                                      is_async=bool(body["background"]))
+    previous = _previous(body["previous_response_id"]) if body["previous_response_id"] else None
+    body["model"] = body["model"] or (previous[0]["model"] if previous else None)
+    messages = rs.to_messages(body, previous[1] if previous else None)
+    keep = bool(body["store"]) and rs.storable(messages)
+    try:  # a stored response keeps a record, which its job's end completes (as an async job's)
+        request = intake.chat_request(_as_chat(body, messages), queues.new_job_id("resp"), is_async=keep)
     except APIError as exc:  # checked as a chat: name the Responses field
         exc.param = _responses_param(exc.param)
         raise
     body["model"] = request.model.id
-    created, ttl = rs.now(), svc.settings.result_ttl_s
+    out = Responses(request.id, echo(body, rs.now()))
+    fields = {"model": request.model.id, "metadata": body.get("metadata") or {}, "response": out.echoed}
     if body["background"]:
-        return jsonify(background.start(svc, request, body, messages, who.owner, created))
-    submit(request, intake.chat_func(request), f"response {request.model.id}")
-    keep = (svc.redis, who.owner, ttl) if body["store"] else None
-    if body["stream"]:
-        return stream_response(request.id, _events(request.id, body, created, messages, keep),
-                               lambda error: _error_event(error), trailer=None)
-    done = wait_for_result(request.id)
-    response = rs.response_object(request.id, body, created, "completed", done)
+        return jsonify(_background(request, body, keep, fields, messages, out))
     if keep:
-        rs.store(keep[0], response, messages + [rs.answer(done)], keep[1], keep[2])
-    return jsonify(response)
+        submit_recorded(request, "chat", fields, intake.chat_func(request), f"response {request.model.id}",
+                        listed=False, conversation=messages)
+    else:
+        submit(request, intake.chat_func(request), f"response {request.model.id}")
+    return stream_response(request.id, out) if body["stream"] else answer(request.id, out)
+
+
+def _background(request, body: dict, keep: bool, fields: dict, messages: list[dict], out: Responses) -> dict:
+    """Queue a background response: a plain async chat job (/v1/jobs lists it) whose record is the stored
+    response; return it `queued`."""
+    if body["stream"] or not body["store"]:
+        raise APIError(400, "A background response is stored and fetched later: it takes neither `stream` nor "
+                            "`store: false`.", "invalid_value", "background")
+    if not keep:
+        raise APIError(400, f"A background response is stored, and this conversation is over the store's "
+                            f"{rs.MAX_STORED_BYTES} bytes.", "invalid_value", "background")
+    submit_async(request, "chat", fields, intake.chat_func(request), f"response {request.model.id} (background)",
+                 CHAT_TIMEOUT_S, {"kind": "chat", "model": request.model.id}, conversation=messages)
+    return out.pending("queued")
 
 
 @blp.route("/<response_id>", methods=["GET"])
 @blp.response(200, AnyObjectSchema)
 def get_response(response_id: str):
-    """A stored response (its creator's key, or the admin key); a background one as its job stands now."""
-    return jsonify(background.refresh(services(), _stored_or_404(response_id)))
+    """A stored response (its creator's key, or the admin key), as its job stands now."""
+    return jsonify(_current(response_id))
 
 
 @blp.route("/<response_id>/cancel", methods=["POST"])
 @blp.response(200, AnyObjectSchema)
 def cancel_response(response_id: str):
     """Cancel a background response: at once while queued, at its next piece while running."""
-    return jsonify(background.cancel(services(), _stored_or_404(response_id)))
+    svc, response = services(), _current(response_id)
+    if not response["background"]:
+        raise APIError(400, "Only a background response can be canceled.", "invalid_value", "id")
+    if response["status"] in ("queued", "in_progress") and not cancel_queued(svc.redis, svc.settings, response_id):
+        request_cancel(svc.redis, response_id, svc.settings.result_ttl_s)
+    return jsonify(_current(response_id))
 
 
-def _stored_or_404(response_id: str) -> dict:
-    who = caller()
-    stored = rs.load_stored(services().redis, response_id, who.owner, who.admin)
-    if stored is None:
-        raise APIError(404, f"No stored response '{response_id}' (it may have expired).", "response_not_found", "id")
-    return stored
+def _current(response_id: str, missing: str = "response_not_found", param: str = "id") -> dict:
+    """A stored response as its job's record stands now (a job whose worker died ends now, not at the
+    next sweep); 404 naming `param` when there is none."""
+    svc = services()
+    record = rs.stored(svc.redis, response_id, caller())
+    if record is None:
+        raise APIError(404, f"No stored response '{response_id}' (it may have expired).", missing, param)
+    if record["status"] not in records.TERMINAL and settle(svc.redis, svc.settings, response_id):
+        record = records.load(svc.redis, response_id) or record
+    return from_record(record, records.get_result(svc.redis, response_id))
+
+
+def _previous(response_id: str) -> tuple[dict, list[dict]]:
+    """The response `previous_response_id` names, and the conversation it continues (400 unless completed)."""
+    response = _current(response_id, "previous_response_not_found", "previous_response_id")
+    if response["status"] not in ("completed", "incomplete"):
+        raise APIError(400, f"Response '{response_id}' has not completed.", "invalid_value", "previous_response_id")
+    svc = services()
+    messages = rs.conversation(svc.redis, response_id, records.get_result(svc.redis, response_id))
+    if messages is None:
+        raise APIError(404, f"No stored response '{response_id}' (it may have expired).",
+                       "previous_response_not_found", "previous_response_id")
+    return response, messages
 
 
 def _as_chat(body: dict, messages: list[dict]) -> dict:
@@ -142,79 +168,3 @@ def _responses_param(param: str | None) -> str | None:
         if param and (param == chat or param.startswith(chat + ".")):
             return responses + param[len(chat):]
     return param
-
-
-def _events(response_id: str, body: dict, created: int, messages: list[dict], keep):
-    """A renderer of a chat job's events as the Responses stream (response.created ... response.completed).
-
-    The message item opens at the first text that is not whitespace (an answer that only calls a tool
-    has none: its output is the calls alone, as in the plain response). The calls follow it as
-    function_call items once the answer is done: they come after the message, which holds all the text
-    (a forced call ends the answer anyway)."""
-    sequence = iter(range(1 << 62))
-    item_id = rs.message_item(response_id, "")["id"]
-    state = {"started": False, "open": False, "held": ""}  # held: leading whitespace, sent once the item opens
-
-    def event(kind: str, **data) -> str:
-        return sse_data({"type": kind, "sequence_number": next(sequence), **data}, event=kind)
-
-    def open_message():
-        state["open"], held = True, state["held"]
-        state["held"] = ""
-        yield event("response.output_item.added", output_index=0,
-                    item={**rs.message_item(response_id, "", "in_progress"), "content": []})
-        yield event("response.content_part.added", item_id=item_id, output_index=0, content_index=0,
-                    part={"type": "output_text", "text": "", "annotations": []})
-        if held:
-            yield text_delta(held)
-
-    def text_delta(delta: str) -> str:
-        return event("response.output_text.delta", item_id=item_id, output_index=0, content_index=0, delta=delta,
-                     logprobs=[])
-
-    def on_text(piece: str):
-        if state["open"]:
-            if piece:  # a delta that only completed a call has no text
-                yield text_delta(piece)
-        elif (state["held"] + piece).strip():
-            state["held"] += piece
-            yield from open_message()
-        else:
-            state["held"] += piece
-
-    def on_done(done: dict):
-        response = rs.response_object(response_id, body, created, "completed", done)
-        output = response["output"]
-        if output and output[0]["type"] == "message":
-            if not state["open"]:  # an answer of whitespace alone, without calls: still a message
-                yield from open_message()
-            final = done["choices"][0]["text"]
-            yield event("response.output_text.done", item_id=item_id, output_index=0, content_index=0, text=final,
-                        logprobs=[])
-            yield event("response.content_part.done", item_id=item_id, output_index=0, content_index=0,
-                        part={"type": "output_text", "text": final, "annotations": []})
-            yield event("response.output_item.done", output_index=0, item=output[0])
-        for index, item in enumerate(output):
-            if item["type"] == "function_call":
-                yield from tools.call_events(event, item, index)
-        if keep:
-            rs.store(keep[0], response, messages + [rs.answer(done)], keep[1], keep[2])
-        yield event("response.completed", response=response)
-
-    def frames(job_event: dict):
-        if not state["started"]:
-            state["started"] = True
-            yield event("response.created", response=rs.response_object(response_id, body, created, "in_progress"))
-            yield event("response.in_progress", response=rs.response_object(response_id, body, created, "in_progress"))
-        if job_event["type"] == DELTA:  # its tool_calls wait for the done event (see above)
-            yield from on_text(job_event["data"]["text"])
-        elif job_event["type"] == DONE:
-            yield from on_done(job_event["data"])
-
-    return frames
-
-
-def _error_event(error: dict) -> str:
-    """The stream's `error` event for a job that failed."""
-    return sse_data({"type": "error", "code": error.get("code"), "message": error.get("message"), "param": None,
-                     "sequence_number": 0}, event="error")

@@ -1,6 +1,6 @@
 """Function calling in the Responses API, on chat's tool machinery (web/tools.py): the flat `tools`
-and `tool_choice` as the chat body's checked tools, `function_call` / `function_call_output` input
-items as chat messages, and the worker's calls as `function_call` output items and stream events.
+and `tool_choice` as the chat body's checked tools, and `function_call` / `function_call_output` input
+items as chat messages (the worker's calls are answered as `function_call` items: web/render/responses.py).
 """
 
 from __future__ import annotations
@@ -90,22 +90,3 @@ def _output_text(output, param: str) -> str:
         return "".join(p["text"] for p in output)
     raise APIError(400, "A function call's output must be a string or a list of input_text parts.",
                    "invalid_value", param)
-
-
-def call_item(call: dict) -> dict:
-    """A worker's call as a `function_call` output item; its id follows from the call's, so a stream's
-    events and the final object (stored, fetched in the background) name it alike."""
-    return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"), "call_id": call["id"],
-            "name": call["name"], "arguments": call["arguments"], "status": "completed"}
-
-
-def call_events(event, item: dict, output_index: int):
-    """The stream events of one function_call item: the worker sends each call whole, so its arguments
-    come in one delta."""
-    yield event("response.output_item.added", output_index=output_index,
-                item={**item, "arguments": "", "status": "in_progress"})
-    yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=output_index,
-                delta=item["arguments"])
-    yield event("response.function_call_arguments.done", item_id=item["id"], output_index=output_index,
-                name=item["name"], arguments=item["arguments"])
-    yield event("response.output_item.done", output_index=output_index, item=item)

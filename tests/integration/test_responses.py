@@ -67,6 +67,11 @@ def test_errors(openai_client):
         openai_client.responses.retrieve("resp-unknown")
 
 
+def test_a_stored_response_is_fetched_as_it_was_answered(openai_client):
+    response = create(openai_client, input="Hi", instructions="Be brief.", metadata={"k": "v"})
+    assert openai_client.responses.retrieve(response.id).model_dump() == response.model_dump()
+
+
 def test_store_false_keeps_nothing(openai_client):
     response = create(openai_client, input="Hi", store=False)
     with pytest.raises(openai.NotFoundError):

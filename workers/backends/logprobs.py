@@ -1,7 +1,7 @@
 """Log-probabilities of the generated tokens (OpenAI's `logprobs` / `top_logprobs`), one entry per token.
 
 An entry is OpenAI's chat shape: {"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
-"bytes"}, ...]}; web/render.py turns lists of them into completions' older shape. Log-probabilities
+"bytes"}, ...]}; web/render/openai.py turns lists of them into completions' older shape. Log-probabilities
 are those the token was sampled from (after a repetition penalty or a response_format's mask).
 """
 
