@@ -1,25 +1,20 @@
-"""The scheduler: the worker's main loop, the one thread that touches MLX.
+"""The scheduler: the worker's main loop, the one thread that touches MLX, and the execution of its work.
 
-It takes jobs from the queues (RQ's API, workers/rqjobs.py), parses each one's request once
+It takes jobs from the queues when its admission policy says so (workers/admission.py: which job
+joins, from which queue, when, and whose turn the next piece is), parses each one's request once
 (jobs.contract), and runs them:
 
 - **Text** requests for one model decode together in that model's batch (workers/backends/
   textbatch.py): a request joins at the next step, leaves when it is done or canceled. One piece
   of work is one step of a batch, for everyone in it.
-- **Solo** requests (transcriptions, and text on a model that cannot batch) run one per queue, in
+- **Solo** requests (transcriptions, and text on a model that cannot batch) run one per lane, in
   pieces (a backend's `run`, workers/backends/base.py): the interactive one before the batch one.
-
-While text decodes, a transcription still gets a window after every SPEECH_TURN_S of it (so text
-waits at most one window, and a long transcription keeps going); with no text, windows follow one
-another. While anything runs, the queues are looked at every ADMIT_EVERY_S for work that can join:
-text while the batches have room (MLXQ_MAX_BATCH), a transcription when its queue's solo slot is
-free; a chat may overtake a transcription still waiting in the same queue. With nothing to do, the
-scheduler waits on the queues.
 
 A job's deadline (its RQ timeout) is checked between pieces; nothing interrupts a piece from
 outside. A warm stop takes no new job, lets text finish and hands a resumable transcription back
-to the queue at its next window; a cold stop ends everything with `worker_shutdown`. A Redis outage
-longer than the connection's own retries is waited out, then what can resume is handed back.
+to the queue at its next window (jobs.lifecycle.continue_job); a cold stop ends everything with
+`worker_shutdown`. A Redis outage longer than the connection's own retries is waited out, then what
+can resume is handed back and the rest fails.
 """
 
 from __future__ import annotations
@@ -30,6 +25,7 @@ import time
 
 import redis
 from mlx_lm.models.cache import LRUPromptCache
+from rq import Queue
 from rq.job import Job
 
 from jobs import contract, queues
@@ -37,31 +33,19 @@ from jobs.errors import InvalidRequest, JobError, JobTimeout, WorkerShutdown
 from jobs.lifecycle import JobRun
 from jobs.settings import Settings
 from workers import rqjobs, worker_metrics
+from workers.admission import Admission
 from workers.backends.base import Outcome
 from workers.backends.textbatch import TextBatch, batchable
 from workers.backends.textgen import reset_random_state
-from workers.running import Task, fail, fail_all, finish, hand_back, resumable, ride_out_redis
+from workers.running import Task, fail, finish, hand_back, resumable, wait_for_redis
 
 log = logging.getLogger(__name__)
 
-POLL_S = 1
-"""Longest wait for a job while the worker has nothing to do (then it looks again)."""
-
-ADMIT_EVERY_S = 0.02
-"""While work runs, how often the queues are looked at for work that could join it."""
-
-ADMIT_DEPTH = 16
-"""How far into each queue a look reaches (a chat may overtake transcriptions waiting before it)."""
-
-SPEECH_TURN_S = 1.0
-"""While text decodes, a transcription gets its next window after this much decoding."""
-
-TEXT_KINDS = frozenset({queues.CHAT_COMPLETION, queues.TEXT_COMPLETION})
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 
 
 class Scheduler:
-    """Runs the worker's jobs through the backends until stopped."""
+    """Runs the worker's jobs through the backends until stopped (the admission policy's `Floor`)."""
 
     def __init__(self, conn: redis.Redis, settings: Settings, models, backends: dict, name: str,
                  burst: bool = False, max_batch: int = 8, queue_names=queues.WORKER_QUEUES, serves=None):
@@ -72,19 +56,24 @@ class Scheduler:
         self.text: dict[str, TextBatch] = {}
         self.solo: dict[str, Task | None] = {queues.INTERACTIVE: None, queues.BATCH: None}
         self.prompt_cache = LRUPromptCache(max_size=64, max_bytes=settings.prompt_cache_mb * 2**20)
+        self.admission = Admission(self, conn, list(self.queues.values()), burst)
         self.stopping = self.cold = False
         self._lock = threading.Lock()
         self._running: set[Task] = set()  # every task from its start to its end
-        self._kinds: dict[str, str | None] = {}
-        self._next_look = 0.0
-        self._text_since_solo = 0.0  # seconds of batch steps since a solo task last had a piece
-        self._turn = 0
         models.in_use = self._models_in_use  # the model manager never unloads these (admin unload)
 
     def active(self) -> list[Task]:
         """The tasks in progress (the heartbeat thread reads them too)."""
         with self._lock:
             return list(self._running)
+
+    def batches(self) -> list[TextBatch]:
+        """The text batches, one per model."""
+        return list(self.text.values())
+
+    def solo_in(self, lane: str) -> Task | None:
+        """The solo task of a lane, if any."""
+        return self.solo[lane]
 
     def stop(self, cold: bool = False) -> None:
         """Ask the loop to stop: warm (finish text, hand back a transcription) or cold (end it all now)."""
@@ -100,12 +89,12 @@ class Scheduler:
                 if not self.step() and (self.stopping or self.burst):
                     return
             except REDIS_DOWN as exc:
-                ride_out_redis(self, exc)
+                self._ride_out_redis(exc)
 
     def step(self) -> bool:
         """Take jobs that can start, then run one piece of work; False if there was nothing to do."""
-        took = self._admit()
-        unit = self._pick()
+        took = not self.stopping and self.admission.admit()
+        unit = self.admission.pick()
         if unit is None:
             return took
         if isinstance(unit, TextBatch):
@@ -120,52 +109,15 @@ class Scheduler:
                 and t.request.kind != "control"}
         return set(self.text) | solo
 
-    # --- taking jobs ---------------------------------------------------------------------------
+    # --- starting jobs ---------------------------------------------------------------------------
 
-    def _admit(self) -> bool:
-        """Start what can start: anything when idle (waiting for it), else what fits beside the work."""
-        if self.stopping:
-            return False
-        if not self.active():
-            taken = rqjobs.take(list(self.queues.values()), self.conn, None if self.burst else POLL_S)
-            if taken is not None:
-                self._begin(*taken)
-            return taken is not None
-        if time.monotonic() < self._next_look:
-            return False
-        self._next_look = time.monotonic() + ADMIT_EVERY_S
-        took = False
-        for queue, ids in rqjobs.peek(list(self.queues.values()), self.conn, ADMIT_DEPTH):
-            for job_id in ids:
-                if self._has_room(self._kind(job_id, ids), queue.name):
-                    job = rqjobs.claim(queue, job_id)
-                    if job is not None:
-                        self._begin(job, queue)
-                        took = True
-        return took
-
-    def _kind(self, job_id: str, neighbours: list[str]) -> str | None:
-        """A queued job's kind (its RQ function name), fetched once for it and the jobs around it."""
-        if job_id not in self._kinds:
-            if len(self._kinds) > 4096:
-                self._kinds.clear()
-            self._kinds.update(rqjobs.kinds([i for i in neighbours if i not in self._kinds], self.conn))
-        return self._kinds.get(job_id)
-
-    def _has_room(self, kind: str | None, queue: str) -> bool:
-        lane = queues.lane_of(queue)  # a model's own queue shares its lane's slot
-        if kind in TEXT_KINDS:  # while a request waits for memory, no other joins
-            batches = self.text.values()
-            return sum(len(b) for b in batches) < self.max_batch and not any(b.waiting for b in batches)
-        return self.solo[lane] is None and (lane == queues.INTERACTIVE or self.solo[queues.INTERACTIVE] is None)
-
-    def _begin(self, job: Job, queue) -> None:
+    def begin(self, job: Job, queue: Queue) -> None:
         """Record the job started, parse its request and put it where it runs (or fail it)."""
         execution = rqjobs.start(job, self.name)
-        payload = job.args[0] if job.args and isinstance(job.args[0], dict) else {}
-        run = JobRun(self.conn, self.settings, str(payload.get("id") or job.id), rq_job_id=job.id,
+        payload = rqjobs.payload(job)
+        run = JobRun(self.conn, self.settings, rqjobs.logical_id(job), rq_job_id=job.id,
                      has_record=bool(payload.get("is_async", True)))
-        task = Task(job, execution, None, run, None, queue.name, float(job.timeout or 3600),
+        task = Task(job, execution, run, queue.name, float(job.timeout or 3600),
                     waited_s=worker_metrics.queue_wait_s(job))
         with self._lock:
             self._running.add(task)
@@ -186,10 +138,10 @@ class Scheduler:
         except REDIS_DOWN:
             raise
         except Exception as exc:  # a request that cannot run (unreadable, too long, no such model...)
-            return fail(self, task, exc)
+            return self._end(task, exc)
         log.info("%s: started %s (%s)", queue.name, job.id, job.description)
 
-    def _batch_for(self, request) -> TextBatch | None:
+    def _batch_for(self, request: contract.TextRequest) -> TextBatch | None:
         """The batch of the request's model, made when its first request comes (None: it cannot batch)."""
         key = str(request.model.path)
         if key not in self.text:
@@ -209,19 +161,6 @@ class Scheduler:
 
     # --- running pieces --------------------------------------------------------------------------
 
-    def _pick(self):
-        """The next piece of work: a batch step, or a solo task's piece when it is due."""
-        solo = self.solo[queues.INTERACTIVE] or self.solo[queues.BATCH]
-        batches = [batch for batch in self.text.values() if len(batch)]
-        if not batches:
-            return solo
-        self._turn += 1
-        if solo is not None:
-            text_solo = solo.request is not None and solo.request.kind in ("text", "multimodal")
-            if (text_solo and self._turn % 2) or self._text_since_solo >= SPEECH_TURN_S:
-                return solo
-        return batches[self._turn % len(batches)]
-
     def _step_batch(self, batch: TextBatch) -> None:
         """One step of a batch: end the requests that finished, were canceled or ran out of time."""
         started = time.monotonic()
@@ -235,13 +174,13 @@ class Scheduler:
             for task, _ in ended:
                 batch.remove(task)
         now = time.monotonic()
-        self._text_since_solo += now - started
+        self.admission.ran_text(now - started)
         for task in batch.tasks:
             if now - task.started > task.timeout_s:
                 batch.remove(task)
                 ended.append((task, JobTimeout(f"the job ran past its time limit of {task.timeout_s:g}s")))
         for task, result in ended:
-            finish(self, task, result) if isinstance(result, Outcome) else fail(self, task, result)
+            self._end(task, result)
         if not len(batch):
             self._drop_batch(batch)
 
@@ -256,22 +195,37 @@ class Scheduler:
         try:
             if task.used_s > task.timeout_s:
                 raise JobTimeout(f"the job ran past its time limit of {task.timeout_s:g}s")
-            if self.stopping and resumable(task) and task.gen is not None:
-                return hand_back(self, task)
+            if self.stopping and resumable(task):
+                return self._hand_back(task)
             if task.gen is None:
                 task.gen = task.backend.run(task.request, task.run, self.models)
             item = next(task.gen)
         except StopIteration:
-            return fail(self, task, RuntimeError("the backend ended without an answer"))
+            return self._end(task, RuntimeError("the backend ended without an answer"))
         except REDIS_DOWN:
             raise
         except Exception as exc:  # a client-facing error (jobs.errors) or an unexpected one: the job ends
-            return fail(self, task, exc)
+            return self._end(task, exc)
         finally:
-            self._text_since_solo = 0.0  # text gets SPEECH_TURN_S of steps before the next piece
+            self.admission.ran_solo()
             task.used_s += time.monotonic() - started
         if isinstance(item, Outcome):
-            finish(self, task, item)
+            self._end(task, item)
+
+    # --- ending tasks ----------------------------------------------------------------------------
+
+    def _end(self, task: Task, result: Outcome | BaseException) -> None:
+        """End a task with its answer or an error, then close its run and free its place (the answer is out first)."""
+        if isinstance(result, Outcome):
+            finish(task, result)
+        else:
+            fail(task, result)
+        self.release(task)
+
+    def _hand_back(self, task: Task) -> None:
+        """Stop a resumable task between pieces: a continuation goes on from its checkpoint."""
+        hand_back(task)
+        self.release(task)
 
     def release(self, task: Task) -> None:
         """Close a task's run (its backend's cleanup) and free its place."""
@@ -293,4 +247,18 @@ class Scheduler:
 
     def _end_all(self, reason: JobError) -> None:
         """Cold stop: end every task in progress with `reason`."""
-        fail_all(self, self.active(), reason)
+        for task in self.active():
+            self._end(task, reason)
+
+    def _ride_out_redis(self, exc: Exception) -> None:
+        """Redis stayed away past the connection's retries: wait for it, then settle the tasks in progress."""
+        wait_for_redis(self.conn, exc, lambda: self.cold)
+        for task in self.active():
+            try:
+                if resumable(task):
+                    self._hand_back(task)  # nothing is lost: it resumes from its last checkpoint
+                else:
+                    self._end(task, JobError("the queue (Redis) was unreachable while this job ran", status=503,
+                                             code="queue_unavailable"))
+            except REDIS_DOWN:
+                return  # gone again: the next round of the loop waits again

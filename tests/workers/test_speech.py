@@ -1,6 +1,6 @@
 """Chunked Whisper transcription and transcription jobs, with the real tiny.en model, Redis, RQ and scheduler.
 
-Audio comes from the speech fixtures; longer files are concatenations made by tests/long_audio.py.
+Audio comes from the speech fixtures; longer files are concatenations made by bench/make_long_audio.py.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import pytest
 from rq.executions import Execution
 from rq.job import JobStatus
 
+from bench.make_long_audio import build, script_for
 from jobs import contract, keys, records
 from jobs.events import read_log
 from jobs.queues import (
@@ -34,8 +35,7 @@ from jobs.settings import load_settings
 from jobs.store import ModelNotFound, resolve
 from jobs.webhooks import delivery_id
 from tests.conftest import REPO
-from tests.long_audio import build, script_for
-from workers import scheduler as scheduler_module
+from workers import admission
 from workers.backends import whisper
 from workers.main import build_scheduler
 from workers.recovery import MAX_ATTEMPTS, clean_spool, recover
@@ -227,7 +227,7 @@ def test_a_long_job_lets_interactive_work_go_first_and_then_carries_on(redis_con
                                                                          monkeypatch):
     # The chat's own steps (a prompt turn, then its token) must not hand the next window its turn on a
     # slow machine: what is tested is that it goes between two windows, not the turn's length.
-    monkeypatch.setattr(scheduler_module, "SPEECH_TURN_S", 60.0)
+    monkeypatch.setattr(admission, "SPEECH_TURN_S", 60.0)
     short = clip(SPEECH / "garden.wav", tmp_path / "short.wav", 3.0)
     submit(redis_conn, settings, ref, "job-long", half_minute, webhook_url="http://127.0.0.1:9/hook")
     submit(redis_conn, settings, ref, "job-next", short)

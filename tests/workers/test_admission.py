@@ -1,0 +1,116 @@
+"""The scheduler's admission policy (workers/admission.py): whose turn the next piece is, and which queued
+job joins what runs. Its view of the work in progress is a stand-in `Floor` (the policy is pure logic
+over it); the queues are real RQ queues on the test Redis."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from jobs import queues
+from workers import admission
+from workers.admission import Admission
+
+
+@dataclass
+class Batch:
+    """A text batch as the policy sees it: its size, and whether a request in it waits for memory."""
+
+    members: int = 0
+    waiting: bool = False
+
+    def __len__(self) -> int:
+        return self.members
+
+
+@dataclass
+class Floor:
+    """The work in progress, as the scheduler shows it to the policy; `begin` notes what was taken."""
+
+    max_batch: int = 4
+    text: list = field(default_factory=list)
+    solo: dict = field(default_factory=lambda: {queues.INTERACTIVE: None, queues.BATCH: None})
+    begun: list = field(default_factory=list)
+
+    def active(self) -> list:
+        return [*(t for t in self.solo.values() if t is not None), *([object()] if any(self.text) else [])]
+
+    def batches(self) -> list:
+        return self.text
+
+    def solo_in(self, lane: str):
+        return self.solo[lane]
+
+    def begin(self, job, queue) -> None:
+        self.begun.append((job.id, queue.name))
+
+
+def _task(kind: str) -> SimpleNamespace:
+    return SimpleNamespace(request=SimpleNamespace(kind=kind))
+
+
+def _policy(floor: Floor, conn=None) -> Admission:
+    names = queues.WORKER_QUEUES
+    return Admission(floor, conn, [queues.get_queue(n, conn) for n in names] if conn else [], burst=True)
+
+
+def test_with_no_text_the_interactive_solo_task_goes_first():
+    interactive, batch = _task("speech"), _task("speech")
+    floor = Floor(solo={queues.INTERACTIVE: interactive, queues.BATCH: batch})
+    assert _policy(floor).pick() is interactive
+    floor.solo[queues.INTERACTIVE] = None
+    assert _policy(floor).pick() is batch
+    floor.solo[queues.BATCH] = None
+    assert _policy(floor).pick() is None
+
+
+def test_a_transcription_gets_a_piece_after_speech_turn_s_of_text():
+    transcription, text = _task("speech"), Batch(members=2)
+    policy = _policy(Floor(text=[text], solo={queues.INTERACTIVE: None, queues.BATCH: transcription}))
+    assert policy.pick() is text
+    policy.ran_text(admission.SPEECH_TURN_S / 2)
+    assert policy.pick() is text
+    policy.ran_text(admission.SPEECH_TURN_S / 2)
+    assert policy.pick() is transcription
+    policy.ran_solo()
+    assert policy.pick() is text
+
+
+def test_text_that_cannot_batch_takes_every_other_turn_and_batches_take_turns():
+    solo_text, first, second = _task("text"), Batch(members=1), Batch(members=1)
+    policy = _policy(Floor(text=[first, Batch(), second], solo={queues.INTERACTIVE: solo_text, queues.BATCH: None}))
+    picks = [policy.pick() for _ in range(6)]
+    assert picks[0::2] == [solo_text] * 3
+    assert {id(p) for p in picks[1::2]} == {id(first), id(second)}  # an empty batch is never stepped
+
+
+def _enqueue(conn, settings, queue: str, kind: str, job_id: str) -> None:
+    queues.enqueue(conn, settings, queue, kind, {"id": job_id}, job_id)
+
+
+def test_a_chat_overtakes_a_waiting_transcription_and_joins_while_the_batches_have_room(redis_conn, settings):
+    floor = Floor(max_batch=2, text=[Batch(members=1)], solo={queues.INTERACTIVE: None,
+                                                             queues.BATCH: _task("speech")})
+    for job_id, kind in (("speech-2", queues.TRANSCRIPTION), ("chat-1", queues.CHAT_COMPLETION),
+                         ("chat-2", queues.CHAT_COMPLETION)):
+        _enqueue(redis_conn, settings, queues.BATCH, kind, job_id)
+    policy = _policy(floor, redis_conn)
+    floor_text = floor.text[0]
+    floor.begin = lambda job, queue: (floor.begun.append(job.id), setattr(floor_text, "members", 2))
+    assert policy.admit()
+    assert floor.begun == ["chat-1"]  # the batch lane's slot is taken; then the batches were full
+    assert queues.get_queue(queues.BATCH, redis_conn).job_ids == ["speech-2", "chat-2"]
+
+
+def test_nothing_joins_while_a_request_waits_for_memory_and_interactive_blocks_the_batch_lane(redis_conn,
+                                                                                          settings):
+    floor = Floor(text=[Batch(members=1, waiting=True)], solo={queues.INTERACTIVE: _task("speech"),
+                                                             queues.BATCH: None})
+    _enqueue(redis_conn, settings, queues.INTERACTIVE, queues.CHAT_COMPLETION, "chat-1")
+    _enqueue(redis_conn, settings, queues.BATCH, queues.TRANSCRIPTION, "speech-1")
+    policy = _policy(floor, redis_conn)
+    assert not policy.admit() and floor.begun == []
+    floor.text[0].waiting, floor.solo[queues.INTERACTIVE] = False, None
+    floor.solo[queues.BATCH] = _task("speech")  # still busy: now the batch lane is the one taken
+    policy.look_now()  # (a look within ADMIT_EVERY_S of the last one would wait)
+    assert policy.admit() and floor.begun == [("chat-1", queues.INTERACTIVE)]

@@ -1,0 +1,146 @@
+"""The scheduler's admission policy: which queued job joins the work in progress, from which queue and
+when, and whose turn the next piece of work is.
+
+- **Joining.** With nothing running, the worker waits on its queues (RQ's `dequeue_any`, interactive
+  first). While work runs, the queues are looked at every ADMIT_EVERY_S (the first ADMIT_DEPTH jobs
+  of each) for work that can join: text while the batches hold fewer than MLXQ_MAX_BATCH requests
+  and none waits for memory, a solo task (a transcription...) when its lane's slot is free and, for
+  the batch lane, the interactive one is too. A chat may overtake a transcription still waiting in
+  the same queue.
+- **Turns.** Text batches take turns step by step. While text decodes, a solo task still gets a
+  piece after every SPEECH_TURN_S of it (so text waits at most one window, and a long transcription
+  keeps going), and a text request on a model that cannot batch every other turn; with no text, a
+  solo task's pieces follow one another, the interactive one's first.
+
+The policy runs nothing itself: it reads the work in progress, and hands the jobs it takes to be
+begun, through `Floor`, which the scheduler (workers/scheduler.py) implements; the scheduler tells
+it what each piece cost (`ran_text`, `ran_solo`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Protocol
+
+import redis
+from rq import Queue
+from rq.job import Job
+
+from jobs import queues
+from workers import rqjobs
+
+if TYPE_CHECKING:  # only named in annotations (the batch module loads MLX)
+    from workers.backends.textbatch import TextBatch
+    from workers.running import Task
+
+POLL_S = 1
+"""Longest wait for a job while the worker has nothing to do (then it looks again)."""
+
+ADMIT_EVERY_S = 0.02
+"""While work runs, how often the queues are looked at for work that could join it."""
+
+ADMIT_DEPTH = 16
+"""How far into each queue a look reaches (a chat may overtake transcriptions waiting before it)."""
+
+SPEECH_TURN_S = 1.0
+"""While text decodes, a transcription gets its next window after this much decoding."""
+
+TEXT_KINDS = frozenset({queues.CHAT_COMPLETION, queues.TEXT_COMPLETION})
+"""The RQ function names of requests that join a text batch (when their model can batch)."""
+
+
+class Floor(Protocol):
+    """The work in progress, as the admission policy sees it and hands it new jobs."""
+
+    max_batch: int
+    """How many text requests the batches may hold together."""
+
+    def active(self) -> list[Task]:
+        """Every task in progress."""
+
+    def batches(self) -> list[TextBatch]:
+        """The text batches (one per model), with or without members."""
+
+    def solo_in(self, lane: str) -> Task | None:
+        """The solo task of a lane (`interactive` or `batch`), if any."""
+
+    def begin(self, job: Job, queue: Queue) -> None:
+        """Start a job taken off `queue` (or fail it, if it cannot run)."""
+
+
+class Admission:
+    """Takes jobs off the queues when they can join, and picks the next piece of work."""
+
+    def __init__(self, floor: Floor, conn: redis.Redis, queue_list: list[Queue], burst: bool = False):
+        self.floor, self.conn, self.queues = floor, conn, queue_list
+        self.wait_s = None if burst else POLL_S  # burst mode never waits for a job
+        self._kinds: dict[str, str | None] = {}
+        self._next_look = 0.0
+        self._text_since_solo = 0.0  # seconds of batch steps since a solo task last had a piece
+        self._turn = 0
+        self._batch_turn = 0
+
+    def admit(self) -> bool:
+        """Start what can start: anything when idle (waiting for it), else what fits beside the work."""
+        if not self.floor.active():
+            taken = rqjobs.take(self.queues, self.conn, self.wait_s)
+            if taken is not None:
+                self.floor.begin(*taken)
+            return taken is not None
+        if time.monotonic() < self._next_look:
+            return False
+        self._next_look = time.monotonic() + ADMIT_EVERY_S
+        took = False
+        for queue, ids in rqjobs.peek(self.queues, self.conn, ADMIT_DEPTH):
+            for job_id in ids:
+                if self._has_room(self._kind(job_id, ids), queue.name):
+                    job = rqjobs.claim(queue, job_id)
+                    if job is not None:
+                        self.floor.begin(job, queue)
+                        took = True
+        return took
+
+    def look_now(self) -> None:
+        """Look at the queues at the next `admit`, however recent the last look."""
+        self._next_look = 0.0
+
+    def pick(self) -> TextBatch | Task | None:
+        """The next piece of work: a batch to step, or a solo task whose piece is due (None: nothing runs)."""
+        solo = self.floor.solo_in(queues.INTERACTIVE) or self.floor.solo_in(queues.BATCH)
+        batches = [batch for batch in self.floor.batches() if len(batch)]
+        if not batches:
+            return solo
+        self._turn += 1
+        if solo is not None:
+            text_solo = solo.request is not None and solo.request.kind in ("text", "multimodal")
+            if (text_solo and self._turn % 2) or self._text_since_solo >= SPEECH_TURN_S:
+                return solo
+        # Batches take turns on a count of their own: on the shared one, a solo text task's every other
+        # turn would leave every other batch out.
+        self._batch_turn += 1
+        return batches[self._batch_turn % len(batches)]
+
+    def ran_text(self, seconds: float) -> None:
+        """A batch step took `seconds` (they count towards a solo task's next turn)."""
+        self._text_since_solo += seconds
+
+    def ran_solo(self) -> None:
+        """A solo task had a piece: text gets SPEECH_TURN_S of steps before its next one."""
+        self._text_since_solo = 0.0
+
+    def _kind(self, job_id: str, neighbours: list[str]) -> str | None:
+        """A queued job's kind (its RQ function name), fetched once for it and the jobs around it."""
+        if job_id not in self._kinds:
+            if len(self._kinds) > 4096:
+                self._kinds.clear()
+            self._kinds.update(rqjobs.kinds([i for i in neighbours if i not in self._kinds], self.conn))
+        return self._kinds.get(job_id)
+
+    def _has_room(self, kind: str | None, queue: str) -> bool:
+        """Whether a job of `kind` from `queue` can join what runs now."""
+        lane = queues.lane_of(queue)  # a model's own queue shares its lane's slot
+        if kind in TEXT_KINDS:  # while a request waits for memory, no other joins
+            batches = self.floor.batches()
+            return sum(len(b) for b in batches) < self.floor.max_batch and not any(b.waiting for b in batches)
+        interactive = self.floor.solo_in(queues.INTERACTIVE)
+        return self.floor.solo_in(lane) is None and (lane == queues.INTERACTIVE or interactive is None)
