@@ -1,6 +1,6 @@
 """Chunked Whisper transcription and transcription jobs, with the real tiny.en model, Redis, RQ and scheduler.
 
-Audio comes from the speech fixtures; longer files are concatenations made by bench/make_long_audio.py.
+Audio comes from the speech fixtures; longer files are concatenations made by tests/long_audio.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import pytest
 from rq.executions import Execution
 from rq.job import JobStatus
 
-from bench.make_long_audio import build, script_for
 from jobs import contract, keys, records
 from jobs.events import read_log
 from jobs.queues import (
@@ -35,6 +34,7 @@ from jobs.settings import load_settings
 from jobs.store import ModelNotFound, resolve
 from jobs.webhooks import delivery_id
 from tests.conftest import REPO
+from tests.long_audio import build, script_for
 from workers import admission
 from workers.backends import whisper
 from workers.main import build_scheduler
