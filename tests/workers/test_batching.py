@@ -460,3 +460,35 @@ def test_kept_caches_are_copies_of_their_rows_not_views_of_the_batch(redis_conn,
     # the batch held the batch's whole key and value buffers (every row, room for 256 tokens each).
     assert run.prompt_cache.nbytes > 0
     assert held <= 1.25 * run.prompt_cache.nbytes + 2**20, (held, run.prompt_cache.nbytes)
+
+
+def test_a_request_being_prepared_does_not_hold_up_the_batch(redis_conn, settings, worker_parts, monkeypatch):
+    import threading
+
+    gate = threading.Event()
+    prepare = textbatch.TextBatch._prepare
+
+    def slow_prepare(self, request):  # the real preparation, held back until the test lets it go
+        if request.id == slow.id:
+            assert gate.wait(60)
+        return prepare(self, request)
+
+    monkeypatch.setattr(textbatch.TextBatch, "_prepare", slow_prepare)
+    first = chat(settings, QUESTIONS[2], max_tokens=24)
+    slow = chat(settings, QUESTIONS[3], max_tokens=8)
+    submit(redis_conn, settings, first)
+    run = scheduler(redis_conn, settings, worker_parts)
+    step_until(run, lambda: any(b.sequences for b in run.text.values()))
+    submit(redis_conn, settings, slow)
+    run.admission.look_now()
+    step_until(run, lambda: any(b.preparing for b in run.text.values()))
+    [batch] = run.text.values()
+    [ours] = [m for t, m in batch.members.items() if t.request.id == first.id]
+    before = ours.sequences[0].tokens
+    for _ in range(5):  # its preparation takes as long as it takes; the batch steps on meanwhile
+        run.step()
+    assert ours.sequences[0].tokens >= before + 4 and batch.preparing
+    gate.set()
+    run.run()
+    for request in (first, slow):
+        assert texts(done(redis_conn, request.id)) == texts(alone(redis_conn, settings, worker_parts, request))

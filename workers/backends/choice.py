@@ -30,6 +30,7 @@ class Sequence:
     tool_calls: list = field(default_factory=list)  # every call it made
     pending_calls: list = field(default_factory=list)  # calls completed since its last delta went out
     stop_sequence: str | None = None  # the stop string that ended it, if one did
+    grammar: object = None  # its GrammarProcessor, whose `error` says if the grammar failed mid-answer
 
     def advance(self, token: int, finish_reason: str | None, logprobs=None) -> bool:
         """Feed one generated token (and the log-probabilities it was sampled from); True when the

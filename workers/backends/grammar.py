@@ -5,6 +5,11 @@ grammar and checks it (web/structured.py); each sequence decoding under it gets 
 with its own matcher. Called once per decoding step, it first feeds the matcher the token sampled
 at the step before, then masks every token the grammar does not allow next. Once the grammar is
 complete only end-of-sequence is allowed, so the answer stops there, whole.
+
+A grammar is compiled once per request (`compile_grammar`, off the MLX thread for batched text:
+workers/backends/textbatch.py) and copied for each sequence. Should the matcher fail mid-answer
+(a parser limit), a sequence decoding alone ends its job with a 400; one in a batch is ended with
+end-of-sequence and its error kept for its request, so the others in the batch go on.
 """
 
 from __future__ import annotations
@@ -31,23 +36,52 @@ def ll_tokenizer(tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
     return cached[1]
 
 
-class GrammarProcessor:
-    """mlx-lm's logits-processor interface `(tokens, logits) -> logits`, for one sequence."""
+class GrammarFailed(InvalidRequest):
+    """Decoding could not go on under the request's grammar (HTTP 400)."""
 
-    def __init__(self, grammar: str, tokenizer, vocab_size: int):
-        self.matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer, vocab_size), grammar)
-        if self.matcher.is_error():  # the web validated it; a payload may not come from it
-            raise InvalidRequest(f"response_format: {self.matcher.get_error()}", param="response_format")
+    code = "grammar_failed"
+
+
+def compile_grammar(grammar: str, tokenizer, vocab_size: int) -> llguidance.LLMatcher:
+    """The grammar's matcher at its start, checked, its first mask computed (the costly part of a big
+    schema: tenths of a second for 128 tools); each sequence decodes with a copy of it."""
+    matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer, vocab_size), grammar)
+    if matcher.is_error():  # the web validated it; a payload may not come from it
+        raise InvalidRequest(f"response_format: {matcher.get_error()}", param="response_format")
+    fill_next_token_bitmask(matcher, allocate_token_bitmask(1, vocab_size))
+    return matcher
+
+
+class GrammarProcessor:
+    """mlx-lm's logits-processor interface `(tokens, logits) -> logits`, for one sequence.
+
+    `grammar` is the grammar's text or a matcher from `compile_grammar` (copied here). `strict`: a
+    matcher error raises GrammarFailed; otherwise only end-of-sequence is allowed from then on and
+    `error` says why (for a sequence that must not stop the batch it decodes in)."""
+
+    def __init__(self, grammar, tokenizer, vocab_size: int, strict: bool = True):
+        if isinstance(grammar, str):
+            grammar = compile_grammar(grammar, tokenizer, vocab_size)
+        self.matcher = grammar.deep_copy()
         self.bitmask = allocate_token_bitmask(1, vocab_size)
         self.started = False
+        self.strict = strict
+        self.error: str | None = None
+        self.eos = sorted(getattr(tokenizer, "eos_token_ids", None) or {tokenizer.eos_token_id})
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         """Feed the matcher the last sampled token (from the second call on), then mask the logits."""
-        if self.started:
+        if self.started and self.error is None:
             self.matcher.consume_token(int(tokens.reshape(-1)[-1].item()))
             if self.matcher.is_error():
-                raise RuntimeError(f"structured output: {self.matcher.get_error()}")
+                self.error = f"structured output: decoding could not follow the grammar: {self.matcher.get_error()}"
+                if self.strict:
+                    raise GrammarFailed(self.error)
         self.started = True
+        if self.error is not None:  # the answer ends here; its request is told why
+            allowed = mx.zeros(logits.shape[-1], mx.bool_)
+            allowed[mx.array(self.eos)] = True
+            return mx.where(allowed, logits, -mx.inf)
         fill_next_token_bitmask(self.matcher, self.bitmask)
         # The mask goes to the device packed (32 tokens a word, 6 KiB for a 49k vocabulary) and is
         # unpacked there, rather than 49k booleans unpacked by numpy: on the H100 (1B shape) decode

@@ -56,13 +56,15 @@ def greedy(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
 
 
-def logits_processors(sampling: Sampling, tokenizer=None, vocab_size: int = 0) -> list:
+def logits_processors(sampling: Sampling, tokenizer=None, vocab_size: int = 0, grammar=None,
+                      strict: bool = True) -> list:
     """One sequence's logits processors: a repetition penalty, if asked for, then the response_format's
-    grammar (workers/backends/grammar.py: it needs the model's tokenizer and output size)."""
+    grammar (workers/backends/grammar.py: it needs the model's tokenizer and output size; `grammar` a
+    matcher compiled beforehand, `strict` whether its failure raises)."""
     penalty = sampling.repetition_penalty
     processors = make_logits_processors(repetition_penalty=penalty) if penalty and penalty != 1.0 else []
     if sampling.grammar:
         from workers.backends.grammar import GrammarProcessor  # llguidance only for requests that use it
 
-        processors.append(GrammarProcessor(sampling.grammar, tokenizer, vocab_size))
+        processors.append(GrammarProcessor(grammar or sampling.grammar, tokenizer, vocab_size, strict))
     return processors

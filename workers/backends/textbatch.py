@@ -15,6 +15,10 @@ resumes instead of processing that prefix again.
 
 A request that is alone, with one choice, decodes on its own (workers/backends/solo.py), at the
 speed of a single stream; when another joins, the batch takes it over, cache and all.
+
+A request is prepared (its prompts tokenized, counted against the context and the KV memory, its
+grammar compiled) on a thread of its own, not on the MLX thread: a request with 128 tools or a
+prompt of megabytes would otherwise hold up everyone's next token for as long as that takes.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from __future__ import annotations
 import itertools
 import time
 from collections import Counter, deque
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, make_stop_sequences
@@ -38,6 +44,22 @@ from workers.backends.text import delta
 
 PREFILL_CHUNK = 512
 """Prompt tokens processed per turn: how long a new prompt may hold up the others' next token."""
+
+PREPARE_WAIT_S = 0.02
+"""How long joining waits for a request's preparation (a plain chat's takes milliseconds, and then
+joins at the next step as before); longer ones finish in the background while the batch steps."""
+
+_PREPARE = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxq-text-prepare")
+"""One thread for every batch of the worker: requests are prepared in arrival order."""
+
+
+@dataclass
+class Prepared:
+    """A request ready to join: its prompts' ids with their token budgets, its KV need, its grammar."""
+
+    prompts: list[tuple[list[int], int]]
+    need: int  # bytes its KV caches may grow to
+    grammar: object | None  # the compiled matcher its sequences copy (workers/backends/grammar.py)
 
 
 def kv_bytes_per_token(model, float32: bool) -> int:
@@ -60,7 +82,8 @@ class TextBatch:
     def __init__(self, resident, settings, prompt_cache, max_batch: int, models):
         self.resident, self.settings, self.prompt_cache, self.models = resident, settings, prompt_cache, models
         self.kv_per_token = kv_bytes_per_token(resident.model, resident.float32)
-        self.waiting: deque = deque()  # (task, prompts, bytes): requests that wait for KV memory
+        self.preparing: dict[object, Future] = {}  # requests being prepared, off the MLX thread
+        self.waiting: deque = deque()  # (task, Prepared): requests that wait for KV memory
         self.reserved: dict[object, int] = {}  # what each request's KV cache may grow to
         self.key = str(resident.info.path)
         self.tokenizer = resident.processor
@@ -81,12 +104,12 @@ class TextBatch:
         self.interval = settings.stream_interval_ms / 1000
 
     def __len__(self) -> int:
-        return len(self.members) + len(self.waiting)
+        return len(self.members) + len(self.waiting) + len(self.preparing)
 
     @property
     def tasks(self) -> list:
-        """Every request in the batch, decoding or waiting for memory."""
-        return [*self.members, *(task for task, _, _ in self.waiting)]
+        """Every request in the batch: decoding, waiting for memory or being prepared."""
+        return [*self.members, *(task for task, _ in self.waiting), *self.preparing]
 
     @property
     def sequences(self) -> int:
@@ -101,8 +124,15 @@ class TextBatch:
         return counts
 
     def add(self, task) -> None:
-        """Join the batch at the next step: one sequence per input and choice (`n`)."""
-        request = task.request
+        """Join the batch once prepared: one sequence per input and choice (`n`). A request that cannot
+        be served (too long, too big for memory, a bad grammar) ends at a step with its error."""
+        future = _PREPARE.submit(self._prepare, task.request)
+        self.preparing[task] = future
+        wait([future], timeout=PREPARE_WAIT_S)
+        self._collect_prepared()
+
+    def _prepare(self, request) -> Prepared:
+        """Tokenize, check and count a request; compile its grammar (on the preparing thread)."""
         prompts = []  # every input checked before any is inserted: a refusal leaves the batch untouched
         for prompt in request.inputs:
             ids = textgen.prompt_ids(self.tokenizer, prompt, request.tools, request.model.context_length)
@@ -112,8 +142,26 @@ class TextBatch:
         if need > self._kv_memory():
             raise ModelTooLarge(f"the request's KV cache may grow to {need / 2**20:.0f} MiB but the worker has "
                                 f"{self._kv_memory() / 2**20:.0f} MiB beside its models; ask for fewer tokens")
-        self.waiting.append((task, prompts, need))
+        grammar = None
+        if request.sampling.grammar:
+            from workers.backends.grammar import compile_grammar  # llguidance only for requests that use it
+
+            grammar = compile_grammar(request.sampling.grammar, self.tokenizer, self.vocab)
+        return Prepared(prompts, need, grammar)
+
+    def _collect_prepared(self) -> list[tuple[object, Exception]]:
+        """Move the prepared requests to the waiting line; those that cannot be served, with their errors."""
+        refused = []
+        for task, future in list(self.preparing.items()):
+            if not future.done():
+                continue
+            del self.preparing[task]
+            try:
+                self.waiting.append((task, future.result()))
+            except Exception as exc:  # noqa: BLE001 (the request's own error, told to its client)
+                refused.append((task, exc))
         self._let_in()
+        return refused
 
     def _kv_memory(self) -> int:
         """What the memory budget leaves beside the resident models: for KV caches, active and kept."""
@@ -122,7 +170,8 @@ class TextBatch:
     def _let_in(self) -> None:
         """Insert waiting requests, in order, while their KV caches fit (the prompt cache makes room)."""
         while self.waiting:
-            task, prompts, need = self.waiting[0]
+            task, prepared = self.waiting[0]
+            need = prepared.need
             room = self._kv_memory() - sum(self.reserved.values()) - need
             if room < 0:
                 return
@@ -131,8 +180,8 @@ class TextBatch:
             self.waiting.popleft()
             self.reserved[task] = need
             sequences = []
-            for i, (ids, budget) in enumerate(prompts):
-                prompt = self._prompt(task, i, ids, budget)
+            for i, (ids, budget) in enumerate(prepared.prompts):
+                prompt = self._prompt(task, i, ids, budget, prepared.grammar)
                 sequences += [start.seq for start in prompt.starts]
                 if prompt.left:
                     self.prefilling.append(prompt)
@@ -142,6 +191,7 @@ class TextBatch:
 
     def remove(self, task) -> None:
         """Take a request out of the batch (canceled, failed or timed out); the others go on."""
+        self.preparing.pop(task, None)  # its preparation may finish; nobody collects it
         self.waiting = deque(item for item in self.waiting if item[0] is not task)
         self.reserved.pop(task, None)
         member = self.members.pop(task, None)
@@ -159,7 +209,9 @@ class TextBatch:
     def step(self) -> list[tuple[object, Outcome | Exception]]:
         """One turn of the batch: a decode step for everyone decoding, or a turn of prompt processing;
         the requests that ended in it, each with its answer or the error that ended it (a cancel)."""
-        self._let_in()
+        if self.preparing and not (self.members or self.waiting):  # nothing to do meanwhile
+            wait(list(self.preparing.values()), timeout=PREPARE_WAIT_S, return_when=FIRST_COMPLETED)
+        refused = self._collect_prepared()
         turn = self._prefill_turn_due()
         if turn:
             started = time.monotonic()
@@ -171,7 +223,7 @@ class TextBatch:
         else:
             self._decode()
         self._start_ready()
-        return self._publish_and_collect()
+        return refused + self._publish_and_collect()
 
     def _prefill_turn_due(self) -> list[tuple[Prompt, int]]:
         """The prompt-processing turn to take now, if one is due: always when nobody decodes, at once for
@@ -255,7 +307,7 @@ class TextBatch:
         if self.prompt_cache.nbytes:
             self.prompt_cache.trim_to(n_bytes=max(0, self._kv_memory() - sum(self.reserved.values())))
 
-    def _prompt(self, task, index: int, ids: list[int], budget: int) -> Prompt:
+    def _prompt(self, task, index: int, ids: list[int], budget: int, grammar) -> Prompt:
         """One input of a request and its `n` choices, resuming from the longest cached prefix of it."""
         request = task.request
         cache, rest = self.prompt_cache.fetch_nearest_cache(self.key, ids)
@@ -269,11 +321,15 @@ class TextBatch:
         order = next(self._order)
         starts = []
         for copy in range(request.n):
+            # A grammar's failure ends this sequence, not the batch (its request is told: _outcome).
+            processors = sampling.logits_processors(request.sampling, self.tokenizer, self.vocab, grammar,
+                                                    strict=False)
             seq = Sequence(task, index * request.n + copy, len(ids), cached, self.tokenizer.detokenizer,
                            textgen.StopBuffer(request.sampling.stop), tokenizer=self.tokenizer,
-                           tools=toolcalls.for_request(request, self.tokenizer))
+                           tools=toolcalls.for_request(request, self.tokenizer),
+                           grammar=next((p for p in processors if hasattr(p, "matcher")), None))
             starts.append(Start(seq, budget, sampling.make_sampler(request.sampling, self.vocab, copy),
-                                sampling.logits_processors(request.sampling, self.tokenizer, self.vocab), order))
+                                processors, order))
         cache = cache if cache is not None else make_prompt_cache(self.resident.model)
         return Prompt(task, starts, cache, ids[:cached], list(rest), order)
 
@@ -356,9 +412,15 @@ class TextBatch:
             seq.pending, seq.pending_logprobs, seq.pending_calls = "", [], []
         return events
 
-    def _outcome(self, member: Member) -> Outcome:
-        """The answer of a finished request; its last deltas go out with it in one round trip."""
+    def _outcome(self, member: Member) -> Outcome | Exception:
+        """The answer of a finished request; its last deltas go out with it in one round trip. A request
+        one of whose sequences its grammar could not follow ends with that error instead."""
         request = member.task.request
+        failed = next((s.grammar.error for s in member.sequences if s.grammar and s.grammar.error), None)
+        if failed:
+            from workers.backends.grammar import GrammarFailed
+
+            return GrammarFailed(failed)
         wanted = request.sampling.logprobs is not None
         choices = [Choice(s.index, "".join(s.parts), s.finish_reason, s.logprobs if wanted else None,
                           s.tool_calls or None, s.stop_sequence) for s in member.sequences]
