@@ -24,6 +24,7 @@ import platform
 import random
 import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -147,11 +148,12 @@ def completions(base: str, model: str, seed: int, max_tokens: int = 256, clients
     return {"completion_tokens": tokens, "tokens_per_s": tokens / (time.perf_counter() - t0)}
 
 
-def under(load, base: str, model: str, short_tokens: int, clients: list | None = None) -> dict:
+def under(load, base: str, model: str, short_tokens: int, clients: list | None = None,
+          settle_s: float = SETTLE_S) -> dict:
     """Start `load` (a list of (callable, args)), let it settle, time a short chat, then wait for the
     load (canceled first when its `clients` are given: what it does after the short chat is not measured)."""
     started = [in_thread(fn, base, model, *args) for fn, args in load]
-    time.sleep(SETTLE_S)
+    time.sleep(settle_s)
     short = short_chat(base, model, short_tokens)
     for client in clients or []:
         if client.connection.sock is not None:
@@ -186,7 +188,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="loaded measurements of each kind")
     parser.add_argument("--idle-samples", type=int, default=5, help="short chats in each idle block")
     parser.add_argument("--chunk", type=int, default=512, help="the worker's PREFILL_CHUNK")
+    parser.add_argument("--long-settle", type=float, default=SETTLE_S,
+                        help="seconds the long prompts run before the short chat (on a GPU they are prefilled "
+                             "within tenths of a second: use less; each run reports whether they still were)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--profile", type=Path, help="also profile the worker (py-spy, collapsed stacks) while "
+                                                     "the 32 x 2 request runs alone, into this file")
     args = parser.parse_args()
     reexec_with_worker_blas()
     from transformers import AutoTokenizer
@@ -208,17 +215,37 @@ def main() -> None:
             runs = [short_chat(base, model, args.short_tokens) for _ in range(args.idle_samples)]
             return {k: statistics.median(r[k] for r in runs) for k in ("ttft_s", "total_s")}
 
-        idle = [idle_block()]
         seed = int(time.time())
+
+        def loaded_round(r: int) -> tuple[dict, dict]:
+            texts = [long_text(tokenizer, args.long_tokens, seed + 10 * r + i) for i in range(2)]
+            longs = under([(long_chat, (t,)) for t in texts], base, model, args.short_tokens,
+                          settle_s=args.long_settle)
+            # Sent while they were still being prefilled: neither had its first token before the short chat.
+            longs["during_prefill"] = all(o["result"]["ttft_s"] > args.long_settle for o in longs["load"]
+                                          if "result" in o)
+            clients: list = []
+            big = under([(completions, (seed + r, 256, clients))], base, model, args.short_tokens, clients)
+            return longs, big
+
+        loaded_round(-1)  # warm-up, not counted: the loads' shapes compile their kernels here
+        idle = [idle_block()]
         two_long, big = [], []
         for r in range(args.rounds):
-            texts = [long_text(tokenizer, args.long_tokens, seed + 10 * r + i) for i in range(2)]
-            two_long.append(under([(long_chat, (t,)) for t in texts], base, model, args.short_tokens))
-            clients: list = []
-            big.append(under([(completions, (seed + r, 256, clients))], base, model, args.short_tokens, clients))
+            longs, many = loaded_round(r)
+            two_long.append(longs)
+            big.append(many)
         idle.append(idle_block())
         # What decoding many sequences gives, with nothing else running: the batch's throughput.
         report["big_request_alone_32_tokens"] = completions(base, model, seed + 100, 32)
+        if args.profile:  # the same again under py-spy: where a step of 64 sequences spends its time
+            spy = subprocess.Popen(["py-spy", "record", "--native", "--rate", "200", "--format", "raw",
+                                    "--pid", str(server.procs[0].process.pid), "--output", str(args.profile)],
+                                   stdout=subprocess.DEVNULL)
+            time.sleep(2)  # attached
+            report["big_request_alone_profiled"] = completions(base, model, seed + 101, 128)
+            spy.send_signal(2)  # SIGINT: py-spy writes what it has and exits
+            spy.wait(60)
     finally:
         if server is not None:
             server.close()
