@@ -69,3 +69,17 @@ def worker_state(worker_name: str) -> str:
 
 WORKER_STATE_PATTERN = f"{PREFIX}:worker:*:state"
 """Pattern matching every live worker's state key."""
+
+
+JOBS_INDEX = f"{PREFIX}:jobs"
+"""Sorted set of every listed job id, scored by creation time (/v1/jobs, newest first: jobs.records)."""
+
+
+def owner_index(owner: str) -> str:
+    """Sorted set of the job ids one owner created, scored like JOBS_INDEX (its listing)."""
+    return f"{JOBS_INDEX}:owner:{owner or 'anonymous'}"
+
+
+def metric_key(name: str) -> str:
+    """Hash holding one metric kept in Redis (jobs.metrics): a field per label values."""
+    return f"{PREFIX}:metrics:{name}"

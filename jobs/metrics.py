@@ -5,7 +5,7 @@ worker's counts add up and the web tier exposes them without importing MLX; a sc
 live figures from Redis: queue depths, the oldest waiting job's age, live workers, their resident
 models and memory (from the state each worker writes with its heartbeat, jobs.workers).
 
-Storage: one hash per metric, `mlxq:metrics:<name>`; a field is the JSON list of the label values,
+Storage: one hash per metric (`keys.metric_key`); a field is the JSON list of the label values,
 then `|v` (a counter), `|sum`, `|count` or `|le=<bound>` (a histogram bucket, not cumulative).
 """
 
@@ -63,7 +63,7 @@ WORKER_MEMORY = {
 
 def metric_key(metric: Metric) -> str:
     """The Redis hash holding a metric."""
-    return f"{keys.PREFIX}:metrics:{metric.name}"
+    return keys.metric_key(metric.name)
 
 
 def record(conn: redis.Redis, samples: list[tuple[Metric, tuple, float]]) -> None:

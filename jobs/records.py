@@ -13,10 +13,11 @@ import time
 
 import redis
 
-from jobs import keys
 from jobs.keys import (  # noqa: F401  (checkpoint_key: part of this API)
+    JOBS_INDEX,
     checkpoint_key,
     conversation_key,
+    owner_index,
     record_key,
     result_key,
 )
@@ -27,13 +28,6 @@ QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELED = "queued", "running", "succeeded",
 STATUSES = (QUEUED, RUNNING, SUCCEEDED, FAILED, CANCELED)
 TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELED})
 
-JOBS_INDEX = f"{keys.PREFIX}:jobs"
-"""Sorted set of every job id, scored by creation time (listing, newest first)."""
-
-
-def owner_index(owner: str) -> str:
-    """Sorted set of the job ids one owner created, scored like JOBS_INDEX (its listing)."""
-    return f"{JOBS_INDEX}:owner:{owner or 'anonymous'}"
 
 PENDING_TTL_FACTOR = 7
 """A record that never ends (its queue was lost) still expires after this many result TTLs."""

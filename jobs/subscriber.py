@@ -32,7 +32,8 @@ REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)  # BusyLoadingError (a 
 
 
 class EventHub:
-    """A single pattern subscription on `mlxq:events:*` dispatching events to per-job local queues."""
+    """A single pattern subscription on every job's events (`keys.EVENT_PATTERN`) dispatching events to
+    per-job local queues."""
 
     def __init__(self, connection: redis.Redis):
         self.connection = connection
