@@ -27,7 +27,7 @@ from jobs.subscriber import IDLE, REDIS_DOWN, follow
 from web.auth import caller
 from web.errors import APIError
 from web.render.base import Renderer
-from web.render.sse import SSE_HEADERS, sse_comment
+from web.render.sse import event_stream, sse_comment
 from web.routing import any_worker_live, any_worker_takes, no_worker, queue_for
 from web.services import Services, services
 
@@ -217,4 +217,4 @@ def stream_response(job_id: str, renderer: Renderer) -> Response:
                 _cancel_quietly(svc, job_id)
         yield from renderer.closing()
 
-    return Response(generate(), mimetype="text/event-stream", headers=SSE_HEADERS)
+    return event_stream(generate())

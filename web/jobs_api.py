@@ -28,7 +28,7 @@ from web.jobrun import KEEPALIVE_S, submit_async
 from web.jsonbody import Blueprint
 from web.media_parts import accepts_media_parts
 from web.render.jobs import event_frame, result_body
-from web.render.sse import SSE_HEADERS, sse_comment
+from web.render.sse import event_stream, sse_comment
 from web.render.transcripts import transcription
 from web.response_schemas import SSE, TEXT, AnyObjectSchema, ServerSentEventSchema
 from web.services import Services, services
@@ -194,7 +194,7 @@ def job_events(query, job_id: str):
     if has_ended(svc.redis, job_id) and not read_log(svc.redis, job_id, after):
         return Response(status=204)
     stream = _event_stream(svc, job_id, after)
-    return Response(stream, mimetype="text/event-stream", headers=SSE_HEADERS)
+    return event_stream(stream)
 
 
 def _event_stream(svc: Services, job_id: str, after: int):

@@ -1,8 +1,11 @@
-"""Server-Sent Events framing."""
+"""Server-Sent Events: the frames, the keep-alive comment and the streaming response (the only place SSE is
+written)."""
 
 from __future__ import annotations
 
 import json
+
+from flask import Response
 
 
 def sse_data(payload, event_id: int | None = None, event: str | None = None) -> str:
@@ -23,3 +26,8 @@ def sse_comment(text: str = "keep-alive") -> str:
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 """Headers for event streams (no caching, no proxy buffering)."""
+
+
+def event_stream(frames) -> Response:
+    """A response that streams `frames` (SSE text) as they come, uncached and unbuffered."""
+    return Response(frames, mimetype="text/event-stream", headers=SSE_HEADERS)
