@@ -418,12 +418,17 @@ def test_whole_prompts_that_share_a_turn_are_processed_in_one_pass_as_they_would
     resident = models.get(ref(settings))
     tokenizer = resident.processor
     ids = [tokenizer.encode(f"Story {i}: once upon a time" + ", by the river" * i) for i in range(4)]
+    cached = [0, 5, 0, 12]  # two of them resume from a cached prefix of their own length
 
     def prompts():
-        return [Prompt(None, [], make_prompt_cache(resident.model), [], list(i), n) for n, i in enumerate(ids)]
+        out = [Prompt(None, [], make_prompt_cache(resident.model), [], list(i), n) for n, i in enumerate(ids)]
+        for prompt, n in zip(out, cached, strict=True):
+            if n:
+                prompt.feed(resident.model, n)
+        return out
 
     alone_ones, together = prompts(), prompts()
-    assert all(p.fresh for p in together)
+    assert all(p.plain for p in together)
     for prompt in alone_ones:
         prompt.feed(resident.model, prompt.left)
     calls = []
@@ -431,7 +436,8 @@ def test_whole_prompts_that_share_a_turn_are_processed_in_one_pass_as_they_would
     monkeypatch.setattr(llama.Model, "__call__", lambda self, x, *a, **k: calls.append(x.shape) or forward(self, x, *a, **k))
     feed_together(resident.model, together)
     monkeypatch.undo()
-    assert calls == [(4, max(len(i) for i in ids) - 1)]  # one pass, left-padded to the longest
+    # One pass, padded to the longest part left.
+    assert calls == [(4, max(len(i) - n for i, n in zip(ids, cached, strict=True)) - 1)]
     for a, b in zip(alone_ones, together, strict=True):
         assert (a.fed, a.rest, a.cache[0].offset) == (b.fed, b.rest, b.cache[0].offset)
         # The same next-token distribution as processed alone (padding is masked, positions kept).

@@ -23,7 +23,6 @@ from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 from jobs.errors import InvalidRequest
 
 _CACHE_ATTRIBUTE = "_mlxq_llguidance"
-_BIT_SHIFTS = mx.arange(32, dtype=mx.uint32)  # a mask word's bit i is token 32 * word + i
 
 
 def ll_tokenizer(tokenizer, vocab_size: int) -> llguidance.LLTokenizer:
@@ -68,6 +67,9 @@ class GrammarProcessor:
         self.strict = strict
         self.error: str | None = None
         self.eos = sorted(getattr(tokenizer, "eos_token_ids", None) or {tokenizer.eos_token_id})
+        # A mask word's bit i is token 32 * word + i. Made at the first call, on the thread that decodes:
+        # MLX arrays belong to their thread's stream, and grammars are compiled on another thread.
+        self.shifts: mx.array | None = None
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         """Feed the matcher the last sampled token (from the second call on), then mask the logits."""
@@ -87,5 +89,7 @@ class GrammarProcessor:
         # unpacked there, rather than 49k booleans unpacked by numpy: on the H100 (1B shape) decode
         # under a schema ran 0.83-0.97 of free decoding this way vs 0.78-0.86 (4 runs each, noisy).
         words = mx.array(self.bitmask.reshape(-1).view(np.uint32))
-        allowed = ((words[:, None] >> _BIT_SHIFTS) & 1).reshape(-1)[: logits.shape[-1]].astype(mx.bool_)
+        if self.shifts is None:
+            self.shifts = mx.arange(32, dtype=mx.uint32)
+        allowed = ((words[:, None] >> self.shifts) & 1).reshape(-1)[: logits.shape[-1]].astype(mx.bool_)
         return mx.where(allowed, logits, -mx.inf)

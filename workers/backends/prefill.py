@@ -7,8 +7,10 @@ batch processes prompts before the generator sees them (workers/backends/textbat
 at most PREFILL_CHUNK tokens, given to the request with the least output under way (a new one
 first), the prompt that a single turn finishes before a longer one, then in arrival order. The
 choices of one prompt (`n`) share its processing; each starts from its own copy of the cache.
-Whole new prompts that share a turn are processed in one forward pass, left-padded as mlx-lm's own
-batch prefill does: 32 short prompts cost about one pass, not 32.
+Prompts that a turn finishes are processed in one forward pass, padded as mlx-lm's own batch
+prefill does (caches aligned on the left, new tokens padded on the right, the padding rolled to
+the front after): 32 short prompts cost about one pass, not 32, and those that resume from a
+cached prefix (a shared system prompt) join it too.
 """
 
 from __future__ import annotations
@@ -64,9 +66,9 @@ class Prompt:
         self.fed.extend(part)
 
     @property
-    def fresh(self) -> bool:
-        """Whether nothing is processed yet, into plain KV caches (so it can share a padded pass)."""
-        return not self.fed and all(type(c) is KVCache and c.keys is None for c in self.cache)
+    def plain(self) -> bool:
+        """Whether its cache is plain KV caches (which `feed_together` can pad and merge)."""
+        return all(type(c) is KVCache for c in self.cache)
 
     def ready(self) -> list[Start]:
         """Its choices, each with a cache of its own, once prefill is over."""
@@ -77,16 +79,23 @@ class Prompt:
 
 
 def feed_together(model, prompts: list[Prompt]) -> None:
-    """Process what is left of several fresh prompts in one forward pass; each keeps its own cache.
+    """Process what is left of several prompts (plain caches) in one forward pass; each keeps its own cache.
 
-    The prompts are left-padded to one length; the batch cache's mask hides the padding and its
-    per-row offsets keep every row's positions as they would be alone.
+    Their caches are merged, aligned at their ends (left padding); the new tokens are padded on the
+    right to one length, and the batch cache rolls that padding to the front afterwards. The mask
+    hides all padding and per-row offsets keep every row's positions as they would be alone.
     """
     parts = [prompt.rest[:prompt.left] for prompt in prompts]
     width = max(len(part) for part in parts)
     padding = [width - len(part) for part in parts]
-    cache = [BatchKVCache(padding) for _ in prompts[0].cache]
-    model(mx.array([[0] * pad + part for pad, part in zip(padding, parts, strict=True)]), cache=cache)
+    cache = [BatchKVCache.merge(list(layer)) for layer in zip(*(prompt.cache for prompt in prompts), strict=True)]
+    if any(padding):
+        for layer in cache:
+            layer.prepare(lengths=[len(part) for part in parts], right_padding=padding)
+    model(mx.array([part + [0] * pad for pad, part in zip(padding, parts, strict=True)]), cache=cache)
+    if any(padding):
+        for layer in cache:
+            layer.finalize()
     for row, (prompt, part) in enumerate(zip(prompts, parts, strict=True)):
         prompt.cache = [layer.extract(row) for layer in cache]
         prompt.fed.extend(part)

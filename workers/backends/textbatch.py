@@ -45,6 +45,10 @@ from workers.backends.text import delta
 PREFILL_CHUNK = 512
 """Prompt tokens processed per turn: how long a new prompt may hold up the others' next token."""
 
+MERGE_BYTES = 256 * 2**20
+"""At most this much padded KV cache for the prompts processed in one pass: merging copies their cached
+prefixes (a long shared system prompt times 32 prompts would be gigabytes, briefly)."""
+
 PREPARE_WAIT_S = 0.02
 """How long joining waits for a request's preparation (a plain chat's takes milliseconds, and then
 joins at the next step as before); longer ones finish in the background while the batch steps."""
@@ -242,8 +246,7 @@ class TextBatch:
 
     def _prefill(self, turn: list[tuple[Prompt, int]]) -> None:
         """Process the turn's prompts; those that are done get ready to decode."""
-        whole = [prompt for prompt, tokens in turn if tokens == prompt.left and prompt.fresh]
-        together = whole if len(whole) > 1 else []
+        together = self._together([prompt for prompt, tokens in turn if tokens == prompt.left and prompt.plain])
         with mx.stream(self.generator.stream):
             if together:
                 prefill.feed_together(self.resident.model, together)
@@ -253,6 +256,15 @@ class TextBatch:
                 if not prompt.left:
                     self.prefilling.remove(prompt)
                     self.ready += prompt.ready()
+
+    def _together(self, whole: list[Prompt]) -> list[Prompt]:
+        """The prompts of a turn to process in one pass: those that fit MERGE_BYTES once their cached
+        prefixes are padded to the longest (shortest prefixes first); none if only one does."""
+        whole = sorted(whole, key=lambda p: len(p.fed))
+        for n in range(len(whole), 1, -1):
+            if n * max(len(p.fed) + p.left for p in whole[:n]) * self.kv_per_token <= MERGE_BYTES:
+                return whole[:n]
+        return []
 
     def _decode(self) -> None:
         """One token for every decoding sequence (alone, or in the batched generator)."""
