@@ -131,11 +131,13 @@ def long_chat(base: str, model: str, text: str) -> dict:
     return {"ttft_s": timed["ttft_s"]}
 
 
-def completions(base: str, model: str, seed: int, max_tokens: int = 256, clients: list | None = None) -> dict:
+def completions(base: str, model: str, seed: int, max_tokens: int = 256, clients: list | None = None,
+                temperature: float = 1.0) -> dict:
     """One completions request: 32 prompts × 2 choices × up to `max_tokens` tokens; its client goes in
     `clients` (closing it cancels the request)."""
     prompts = [f"Story {seed}-{i}: once upon a time, by the {WORDS[i % len(WORDS)]}," for i in range(32)]
-    body = {"model": model, "prompt": prompts, "n": 2, "max_tokens": max_tokens, "temperature": 1.0, "seed": seed}
+    body = {"model": model, "prompt": prompts, "n": 2, "max_tokens": max_tokens, "temperature": temperature,
+            "seed": seed}
     client = KeepAliveClient(base)
     if clients is not None:
         clients.append(client)
@@ -192,6 +194,8 @@ def main() -> None:
                         help="seconds the long prompts run before the short chat (on a GPU they are prefilled "
                              "within tenths of a second: use less; each run reports whether they still were)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--big-temperature", type=float, default=1.0,
+                        help="the 32 x 2 request's temperature (1.0, the API's default; 0 is the greedy control)")
     parser.add_argument("--profile", type=Path, help="also profile the worker (py-spy, collapsed stacks) while "
                                                      "the 32 x 2 request runs alone, into this file")
     args = parser.parse_args()
@@ -225,7 +229,8 @@ def main() -> None:
             longs["during_prefill"] = all(o["result"]["ttft_s"] > args.long_settle for o in longs["load"]
                                           if "result" in o)
             clients: list = []
-            big = under([(completions, (seed + r, 256, clients))], base, model, args.short_tokens, clients)
+            big = under([(completions, (seed + r, 256, clients, args.big_temperature))], base, model,
+                        args.short_tokens, clients)
             return longs, big
 
         loaded_round(-1)  # warm-up, not counted: the loads' shapes compile their kernels here
@@ -237,7 +242,8 @@ def main() -> None:
             big.append(many)
         idle.append(idle_block())
         # What decoding many sequences gives, with nothing else running: the batch's throughput.
-        report["big_request_alone_32_tokens"] = completions(base, model, seed + 100, 32)
+        report["big_request_alone_32_tokens"] = completions(base, model, seed + 100, 32,
+                                                            temperature=args.big_temperature)
         if args.profile:  # the same again under py-spy: where a step of 64 sequences spends its time
             spy = subprocess.Popen(["py-spy", "record", "--native", "--rate", "200", "--format", "raw",
                                     "--pid", str(server.procs[0].process.pid), "--output", str(args.profile)],
