@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import redis
 from rq.executions import Execution
 from rq.job import Job
 
@@ -21,8 +20,6 @@ from workers import rqjobs, worker_metrics
 from workers.backends.base import Backend, Outcome
 
 log = logging.getLogger(__name__)
-
-REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 
 
 @dataclass(eq=False)  # compared and hashed by identity: a task is a key of its batch's members
@@ -69,17 +66,3 @@ def hand_back(task: Task) -> None:
                                 func=task.job.func_name, timeout_s=task.job.timeout)
     rqjobs.succeed(task.job, task.execution, {"handed_back_to": continuation})
     log.info("handed %s back to the queue as %s", task.run.job_id, continuation)
-
-
-def wait_for_redis(conn: redis.Redis, exc: Exception, given_up: Callable[[], bool]) -> None:
-    """Redis stayed away past the connection's retries: wait until it answers (or `given_up()`)."""
-    log.error("Redis unreachable (%s); waiting for it to come back", exc)
-    delay = 0.5
-    while not given_up():
-        try:
-            conn.ping()
-            break
-        except REDIS_DOWN:
-            time.sleep(delay)
-            delay = min(delay * 2, 10.0)
-    log.warning("Redis is back")

@@ -37,7 +37,7 @@ from workers.admission import Admission
 from workers.backends.base import Outcome
 from workers.backends.textbatch import TextBatch, batchable
 from workers.backends.textgen import reset_random_state
-from workers.running import Task, fail, finish, hand_back, resumable, wait_for_redis
+from workers.running import Task, fail, finish, hand_back, resumable
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +252,7 @@ class Scheduler:
 
     def _ride_out_redis(self, exc: Exception) -> None:
         """Redis stayed away past the connection's retries: wait for it, then settle the tasks in progress."""
-        wait_for_redis(self.conn, exc, lambda: self.cold)
+        self._wait_for_redis(exc)
         for task in self.active():
             try:
                 if resumable(task):
@@ -262,3 +262,16 @@ class Scheduler:
                                              code="queue_unavailable"))
             except REDIS_DOWN:
                 return  # gone again: the next round of the loop waits again
+
+    def _wait_for_redis(self, exc: Exception) -> None:
+        """Wait until Redis answers again (or a cold stop comes)."""
+        log.error("Redis unreachable (%s); waiting for it to come back", exc)
+        delay = 0.5
+        while not self.cold:
+            try:
+                self.conn.ping()
+                break
+            except REDIS_DOWN:
+                time.sleep(delay)
+                delay = min(delay * 2, 10.0)
+        log.warning("Redis is back")
