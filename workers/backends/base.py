@@ -39,7 +39,8 @@ class Backend(Protocol):
     """The catalog kind of the models it runs ("text", "speech")."""
 
     resumable: bool
-    """Whether a run interrupted between pieces can go on in another process from its checkpoint."""
+    """Whether a run interrupted between pieces can go on in another process from its checkpoint (which
+    it hands to its job, `JobRun.checkpoint`, after each piece, and gets back from `JobRun.restore`)."""
 
     def load(self, path: Path, float32: bool) -> tuple[Any, Any]:
         """Load a model directory: (model, tokenizer or processor)."""
