@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # only named in annotations (the batch module loads MLX)
 POLL_S = 1
 """Longest wait for a job while the worker has nothing to do (then it looks again)."""
 
-ADMIT_EVERY_S = 0.02
+ADMIT_EVERY_S = 0.01
 """While work runs, how often the queues are looked at for work that could join it."""
 
 ADMIT_DEPTH = 16

@@ -209,7 +209,10 @@ def test_completions_with_several_prompts_and_n(redis_conn, settings, worker_par
     assert data["usage"]["completion_tokens"] == 16
 
 
-def test_a_request_that_could_never_fit_is_refused_up_front(redis_conn, models_dir, worker_parts, settings):
+@pytest.mark.parametrize("prepare_wait_s", [5.0, 0.0])  # refused while joining, or at a later step
+def test_a_request_that_could_never_fit_is_refused_up_front(redis_conn, models_dir, worker_parts, settings,
+                                                             monkeypatch, prepare_wait_s):
+    monkeypatch.setattr(textbatch, "PREPARE_WAIT_S", prepare_wait_s)
     models, backends = worker_parts
     models.load(ref(settings))
     model_mb = next(m["bytes"] for m in models.list() if m["id"] == MODEL) / 2**20

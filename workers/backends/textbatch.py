@@ -49,12 +49,17 @@ MERGE_BYTES = 256 * 2**20
 """At most this much padded KV cache for the prompts processed in one pass: merging copies their cached
 prefixes (a long shared system prompt times 32 prompts would be gigabytes, briefly)."""
 
-PREPARE_WAIT_S = 0.02
-"""How long joining waits for a request's preparation (a plain chat's takes milliseconds, and then
-joins at the next step as before); longer ones finish in the background while the batch steps."""
+PREPARE_WAIT_S = 0.002
+"""How long joining waits for a request's preparation (a short chat's takes about a millisecond on a
+quiet machine, and then starts at the next step); longer ones finish while the batch steps: on a GPU
+a step takes milliseconds, and waiting here would hold everyone's next token."""
 
-_PREPARE = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlxq-text-prepare")
-"""One thread for every batch of the worker: requests are prepared in arrival order."""
+IDLE_WAIT_S = 0.02
+"""With nothing to decode or process, how long a step waits for a preparation to finish."""
+
+_PREPARE = ThreadPoolExecutor(max_workers=4, thread_name_prefix="mlxq-text-prepare")
+"""The worker's preparing threads (tokenizers and llguidance let go of the GIL): a short chat is not
+prepared after the long prompts that came just before it."""
 
 
 @dataclass
@@ -87,6 +92,7 @@ class TextBatch:
         self.resident, self.settings, self.prompt_cache, self.models = resident, settings, prompt_cache, models
         self.kv_per_token = kv_bytes_per_token(resident.model, resident.float32)
         self.preparing: dict[object, Future] = {}  # requests being prepared, off the MLX thread
+        self.refused: list[tuple[object, Exception]] = []  # prepared into an error: ended at the next step
         self.waiting: deque = deque()  # (task, Prepared): requests that wait for KV memory
         self.reserved: dict[object, int] = {}  # what each request's KV cache may grow to
         self.key = str(resident.info.path)
@@ -108,12 +114,13 @@ class TextBatch:
         self.interval = settings.stream_interval_ms / 1000
 
     def __len__(self) -> int:
-        return len(self.members) + len(self.waiting) + len(self.preparing)
+        return len(self.members) + len(self.waiting) + len(self.preparing) + len(self.refused)
 
     @property
     def tasks(self) -> list:
-        """Every request in the batch: decoding, waiting for memory or being prepared."""
-        return [*self.members, *(task for task, _ in self.waiting), *self.preparing]
+        """Every request in the batch: decoding, waiting for memory, being prepared or refused."""
+        return [*self.members, *(task for task, _ in self.waiting), *self.preparing,
+                *(task for task, _ in self.refused)]
 
     @property
     def sequences(self) -> int:
@@ -153,9 +160,9 @@ class TextBatch:
             grammar = compile_grammar(request.sampling.grammar, self.tokenizer, self.vocab)
         return Prepared(prompts, need, grammar)
 
-    def _collect_prepared(self) -> list[tuple[object, Exception]]:
-        """Move the prepared requests to the waiting line; those that cannot be served, with their errors."""
-        refused = []
+    def _collect_prepared(self) -> None:
+        """Move the prepared requests to the waiting line, and those that cannot be served to `refused`
+        (the next step ends them with their errors)."""
         for task, future in list(self.preparing.items()):
             if not future.done():
                 continue
@@ -163,9 +170,8 @@ class TextBatch:
             try:
                 self.waiting.append((task, future.result()))
             except Exception as exc:  # noqa: BLE001 (the request's own error, told to its client)
-                refused.append((task, exc))
+                self.refused.append((task, exc))
         self._let_in()
-        return refused
 
     def _kv_memory(self) -> int:
         """What the memory budget leaves beside the resident models: for KV caches, active and kept."""
@@ -196,6 +202,7 @@ class TextBatch:
     def remove(self, task) -> None:
         """Take a request out of the batch (canceled, failed or timed out); the others go on."""
         self.preparing.pop(task, None)  # its preparation may finish; nobody collects it
+        self.refused = [item for item in self.refused if item[0] is not task]
         self.waiting = deque(item for item in self.waiting if item[0] is not task)
         self.reserved.pop(task, None)
         member = self.members.pop(task, None)
@@ -214,8 +221,9 @@ class TextBatch:
         """One turn of the batch: a decode step for everyone decoding, or a turn of prompt processing;
         the requests that ended in it, each with its answer or the error that ended it (a cancel)."""
         if self.preparing and not (self.members or self.waiting):  # nothing to do meanwhile
-            wait(list(self.preparing.values()), timeout=PREPARE_WAIT_S, return_when=FIRST_COMPLETED)
-        refused = self._collect_prepared()
+            wait(list(self.preparing.values()), timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
+        self._collect_prepared()
+        refused, self.refused = self.refused, []
         turn = self._prefill_turn_due()
         if turn:
             started = time.monotonic()
