@@ -73,8 +73,8 @@ def dedicated_models(spec: str | None, settings: Settings) -> list[str] | None:
 
 
 def configure_logging() -> None:
-    """Log to stderr with timestamps."""
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+    """Log to stderr with timestamps, at MLXQ_LOG_LEVEL (INFO by default; DEBUG adds every slow step)."""
+    logging.basicConfig(level=os.environ.get("MLXQ_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 

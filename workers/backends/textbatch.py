@@ -24,6 +24,7 @@ prompt of megabytes would otherwise hold up everyone's next token for as long as
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import Counter, deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -41,6 +42,11 @@ from workers.backends.choice import Member, Sequence
 from workers.backends.prefill import Prompt, Start
 from workers.backends.solo import SoloDecoder
 from workers.backends.text import delta
+
+log = logging.getLogger(__name__)
+
+SLOW_STEP_S = 0.1
+"""A step that takes longer is logged at DEBUG level (MLXQ_LOG_LEVEL=DEBUG), with what it did."""
 
 PREFILL_CHUNK = 512
 """Prompt tokens processed per turn: how long a new prompt may hold up the others' next token."""
@@ -220,6 +226,7 @@ class TextBatch:
     def step(self) -> list[tuple[object, Outcome | Exception]]:
         """One turn of the batch: a decode step for everyone decoding, or a turn of prompt processing;
         the requests that ended in it, each with its answer or the error that ended it (a cancel)."""
+        began = time.monotonic()
         if self.preparing and not (self.members or self.waiting):  # nothing to do meanwhile
             wait(list(self.preparing.values()), timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
         self._collect_prepared()
@@ -235,7 +242,14 @@ class TextBatch:
         else:
             self._decode()
         self._start_ready()
-        return refused + self._publish_and_collect()
+        ended = refused + self._publish_and_collect()
+        took = time.monotonic() - began
+        if took > SLOW_STEP_S and log.isEnabledFor(logging.DEBUG):
+            done = (f"prefill of {len(turn)} prompts, {sum(n for _, n in turn)} tokens" if turn
+                    else f"decode of {self.sequences} sequences")
+            log.debug("slow step: %.0f ms, %s (%d preparing, %d waiting)", 1000 * took, done,
+                      len(self.preparing), len(self.waiting))
+        return ended
 
     def _prefill_turn_due(self) -> list[tuple[Prompt, int]]:
         """The prompt-processing turn to take now, if one is due: always when nobody decodes, at once for
