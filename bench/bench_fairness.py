@@ -138,7 +138,7 @@ def completions(base: str, model: str, seed: int, max_tokens: int = 256, clients
     prompts = [f"Story {seed}-{i}: once upon a time, by the {WORDS[i % len(WORDS)]}," for i in range(32)]
     body = {"model": model, "prompt": prompts, "n": 2, "max_tokens": max_tokens, "temperature": temperature,
             "seed": seed}
-    client = KeepAliveClient(base)
+    client = KeepAliveClient(base, retry=clients is None)  # a load cut off by closing its connection ends there
     if clients is not None:
         clients.append(client)
     t0 = time.perf_counter()

@@ -111,9 +111,10 @@ class KeepAliveClient:
     server has closed the connection since the last call.
     """
 
-    def __init__(self, base: str, timeout: float = 600):
+    def __init__(self, base: str, timeout: float = 600, retry: bool = True):
         host, port = base.removeprefix("http://").rstrip("/").split(":")
         self.connection = http.client.HTTPConnection(host, int(port), timeout=timeout)
+        self.retry = retry  # False: a call whose connection breaks is not sent again (a load meant to be cut off)
 
     def post_json(self, path: str, body: dict) -> dict:
         """POST a JSON body; return the JSON answer, or raise RuntimeError on a non-2xx status."""
@@ -140,6 +141,8 @@ class KeepAliveClient:
         try:
             return self._send(path, body)
         except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+            if not self.retry:
+                raise
             self.connection.close()  # closed just as the call went out: once more on a new one
             return self._send(path, body)
 

@@ -41,9 +41,6 @@ from workers.running import Task, fail, finish, hand_back, resumable
 
 log = logging.getLogger(__name__)
 
-SLOW_ADMIT_S = 0.05
-"""Taking jobs that takes longer is logged at DEBUG level (MLXQ_LOG_LEVEL=DEBUG)."""
-
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 
 
@@ -96,10 +93,7 @@ class Scheduler:
 
     def step(self) -> bool:
         """Take jobs that can start, then run one piece of work; False if there was nothing to do."""
-        began = time.monotonic()
         took = not self.stopping and self.admission.admit()
-        if time.monotonic() - began > SLOW_ADMIT_S:
-            log.debug("slow admission: %.0f ms", 1000 * (time.monotonic() - began))
         unit = self.admission.pick()
         if unit is None:
             return took

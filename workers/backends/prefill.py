@@ -96,12 +96,28 @@ def feed_together(model, prompts: list[Prompt]) -> None:
     if any(padding):
         for layer in cache:
             layer.finalize()
-    for row, (prompt, part) in enumerate(zip(prompts, parts, strict=True)):
-        prompt.cache = [layer.extract(row) for layer in cache]
+    # Each row's keys and values start after its padding: the cached prefixes were aligned on the
+    # longest, the right padding rolled to the front. Computed here, once: BatchKVCache.extract reads
+    # the padding back from the device for every row and layer (512 waits for 32 prompts, 0.2-0.3 s
+    # of a turn on the H100).
+    longest = max(len(prompt.fed) for prompt in prompts)
+    end = cache[0].size()
+    for row, (prompt, part, pad) in enumerate(zip(prompts, parts, padding, strict=True)):
+        start = longest - len(prompt.fed) + pad
+        prompt.cache = [_row(layer, row, start, end) for layer in cache]
         prompt.fed.extend(part)
         prompt.rest = prompt.rest[len(part):]
     # Evaluated here, so no prompt's cache keeps the whole padded batch alive.
     mx.eval([c.state for prompt in prompts for c in prompt.cache])
+
+
+def _row(layer: BatchKVCache, row: int, start: int, end: int) -> KVCache:
+    """One row of a batch cache, from `start` to `end`, as a plain cache of its own."""
+    cache = KVCache()
+    cache.keys = mx.contiguous(layer.keys[row:row + 1, :, start:end])
+    cache.values = mx.contiguous(layer.values[row:row + 1, :, start:end])
+    cache.offset = end - start
+    return cache
 
 
 def plan(prompts: list[Prompt], started: Counter, chunk: int) -> list[tuple[Prompt, int]]:
