@@ -260,7 +260,8 @@ def first_delta(conn, job_id, timeout: float = 60) -> None:
                what=f"the first delta of {job_id}")
 
 
-def test_worker_process_answers_a_chat_job(spawn, redis_conn, settings):
+def test_worker_process_answers_a_chat_job_and_sigterm_lets_the_running_job_finish(spawn, redis_conn, settings):
+    # One process for both (each start loads the model): it answers, then a SIGTERM mid-job ends it cleanly.
     worker = spawn(redis_conn)
     job_id = submit(redis_conn, settings, chat_request(settings, FRANCE))
     done = terminal(redis_conn, job_id, 60)
@@ -270,9 +271,6 @@ def test_worker_process_answers_a_chat_job(spawn, redis_conn, settings):
     log = worker.log_path.read_text()
     assert f"worker {worker.name} on queues interactive,batch" in log and "BLAS" in log and "budget" in log
 
-
-def test_sigterm_lets_the_running_job_finish(spawn, redis_conn, settings):
-    worker = spawn(redis_conn)
     job_id = submit(redis_conn, settings, chat_request(settings, LONG, max_tokens=30))
     first_delta(redis_conn, job_id)
     worker.process.send_signal(signal.SIGTERM)
@@ -292,7 +290,8 @@ def test_kill9_mid_job_then_restart_fails_the_job_with_worker_died(spawn, redis_
     registry_key = get_queue(INTERACTIVE, redis_conn).started_job_registry.key
     expiry = lambda: max(score for _, score in redis_conn.zrange(registry_key, 0, -1, withscores=True))  # noqa: E731
     before = expiry()
-    wait_until(lambda: expiry() > before, 4 * settings.worker_heartbeat_s + 2, interval=0.1,
+    # Bounded, not timed: a beat is due every second, but a busy machine can hold the heartbeat thread back.
+    wait_until(lambda: expiry() > before, 30 * settings.worker_heartbeat_s, interval=0.1,
                what="the running job's RQ heartbeat")
     os.killpg(worker.process.pid, signal.SIGKILL)
     killed_at = time.monotonic()
