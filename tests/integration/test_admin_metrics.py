@@ -32,9 +32,14 @@ def resident(api) -> dict[str, dict]:
     return {m["id"]: m for m in workers[0]["models"]}
 
 
+STATE_WAIT_S = 60
+"""A bound on waiting for a heartbeat (one a second) to show a change: it comes within a second or two on an
+idle machine, but a busy one (load ~10 on 2 cores) can delay the worker's heartbeat thread far longer."""
+
+
 def holds(api, check) -> dict:
     """Wait for the worker's next heartbeats (one a second) to show what `check` expects."""
-    return wait_until(lambda: check(resident(api)), 10, interval=0.1, what="the worker's state to show it")
+    return wait_until(lambda: check(resident(api)), STATE_WAIT_S, interval=0.1, what="the worker's state to show it")
 
 
 def action(api, name: str, model: str) -> dict:
@@ -107,7 +112,16 @@ def test_metrics_count_a_known_set_of_requests(api):
     transcript = api.post("/v1/audio/transcriptions", data={"model": SPEECH, "response_format": "verbose_json"},
                           files={"file": ("weather.wav", audio)})
     assert transcript.status_code == 200, transcript.text
-    after = scrape(api)
+
+    def jobs_counted() -> dict | None:
+        """A scrape with the four jobs' figures in (a worker records them just after each answer, not before)."""
+        samples = scrape(api)
+        ended = [value(samples, "mlxq_job_duration_seconds_count", kind=kind, outcome="succeeded")
+                 - value(before, "mlxq_job_duration_seconds_count", kind=kind, outcome="succeeded")
+                 for kind in ("text", "transcription")]
+        return samples if ended[0] >= 3 and ended[1] >= 1 else None
+
+    after = wait_until(jobs_counted, STATE_WAIT_S, interval=0.1, what="the worker to record the jobs' metrics")
 
     def grew(name, **labels):
         return value(after, name, **labels) - value(before, name, **labels)
@@ -133,7 +147,7 @@ def test_worker_memory_is_shown_and_handed_back_when_idle(api):
     assert chat.status_code == 200, chat.text
     # Two idle heartbeats after the chat: MLX's cache of freed buffers is emptied (it holds some after any chat).
     worker = wait_until(lambda: next((w for w in api.get("/v1/admin/workers").json()["data"]
-                                      if w["memory"]["mlx_cache_bytes"] == 0 and not w["jobs"]), None), 10,
+                                      if w["memory"]["mlx_cache_bytes"] == 0 and not w["jobs"]), None), STATE_WAIT_S,
                         interval=0.2, what="the idle worker to empty MLX's buffer cache")
     memory, weights = worker["memory"], sum(m["bytes"] for m in worker["models"])
     assert 0 < worker["cache_limit_bytes"] < worker["budget_bytes"]
