@@ -150,6 +150,20 @@ def completions(base: str, model: str, seed: int, max_tokens: int = 256, clients
     return {"completion_tokens": tokens, "tokens_per_s": tokens / (time.perf_counter() - t0)}
 
 
+def wait_idle(redis_url: str, timeout_s: float = 60) -> float:
+    """Wait until no job is running in any queue (a canceled load ends at its next step, after its
+    client is seen gone); the seconds it took."""
+    import redis
+    from rq import Queue
+
+    conn, t0 = redis.Redis.from_url(redis_url), time.perf_counter()
+    while time.perf_counter() - t0 < timeout_s:
+        if not any(q.started_job_registry.count for q in Queue.all(connection=conn)):
+            return time.perf_counter() - t0
+        time.sleep(0.05)
+    raise TimeoutError(f"jobs still running after {timeout_s} s")
+
+
 def under(load, base: str, model: str, short_tokens: int, clients: list | None = None,
           settle_s: float = SETTLE_S) -> dict:
     """Start `load` (a list of (callable, args)), let it settle, time a short chat, then wait for the
@@ -231,6 +245,7 @@ def main() -> None:
             clients: list = []
             big = under([(completions, (seed + r, 256, clients, args.big_temperature))], base, model,
                         args.short_tokens, clients)
+            big["canceled_load_ended_after_s"] = round(wait_idle(redis_url), 3)  # the next figure starts idle
             return longs, big
 
         loaded_round(-1)  # warm-up, not counted: the loads' shapes compile their kernels here
