@@ -24,7 +24,6 @@ import threading
 import time
 
 import redis
-from mlx_lm.models.cache import LRUPromptCache
 from rq import Queue
 from rq.job import Job
 
@@ -35,6 +34,7 @@ from jobs.settings import Settings
 from workers import rqjobs, worker_metrics
 from workers.admission import Admission
 from workers.backends.base import Outcome
+from workers.backends.prompt_cache import PromptCache
 from workers.backends.textbatch import TextBatch, batchable
 from workers.backends.textgen import reset_random_state
 from workers.running import Task, fail, finish, hand_back, resumable
@@ -55,7 +55,7 @@ class Scheduler:
         self.queues = {queue: queues.get_queue(queue, conn) for queue in queue_names}
         self.text: dict[str, TextBatch] = {}
         self.solo: dict[str, Task | None] = {queues.INTERACTIVE: None, queues.BATCH: None}
-        self.prompt_cache = LRUPromptCache(max_size=64, max_bytes=settings.prompt_cache_mb * 2**20)
+        self.prompt_cache = PromptCache(max_size=64, max_bytes=settings.prompt_cache_mb * 2**20)
         self.admission = Admission(self, conn, list(self.queues.values()), burst)
         self.stopping = self.cold = False
         self._lock = threading.Lock()

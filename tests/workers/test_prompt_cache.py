@@ -1,0 +1,51 @@
+"""The worker's prompt cache on the demo model: hits share the kept entry's buffers, never write them."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+from jobs.settings import load_settings
+from jobs.store import resolve
+from workers.backends import textgen
+from workers.backends.prompt_cache import PromptCache
+
+
+@pytest.fixture(scope="module")
+def model(models_dir):
+    return textgen.load(resolve("smollm2-135m", load_settings({"models_dir": models_dir})).path, float32=True)[0]
+
+
+def processed(model, ids: list[int]) -> list:
+    cache = make_prompt_cache(model)
+    model(mx.array(ids)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+def next_logits(model, cache, ids: list[int]) -> np.ndarray:
+    return np.array(model(mx.array(ids)[None], cache=cache)[0, -1])
+
+
+@pytest.mark.parametrize("case", ["longer", "shorter", "exact"])
+def test_a_hit_resumes_as_a_fresh_prefill_would_and_leaves_the_entry_as_it_was(model, case):
+    kept = list(range(1000, 1600))
+    cache = PromptCache(max_size=4)
+    cache.insert_cache("m", kept, processed(model, kept))
+    entry = [np.array(c.keys[..., :600, :]) for c in cache._trie.get("m", kept).prompt_cache]
+    ids = {"longer": kept[:30] + list(range(7000, 7040)),  # only the start of a longer entry matches
+           "shorter": kept + list(range(7000, 7040)),  # the entry is a prefix of the new prompt
+           "exact": kept}[case]
+    got, rest = cache.fetch_nearest_cache("m", ids)
+    reused = len(ids) - len(rest)
+    assert reused == {"longer": 30, "shorter": 600, "exact": 600}[case]
+    if not rest:  # the whole prompt was cached: its last token is fed again (as the batch does)
+        trim_prompt_cache(got, 1)
+        rest, reused = ids[-1:], reused - 1
+    fresh = processed(model, ids[:reused])
+    np.testing.assert_allclose(next_logits(model, got, rest), next_logits(model, fresh, rest), atol=1e-4)
+    # Feeding the request's tokens made buffers of its own: the kept entry is untouched.
+    for before, layer in zip(entry, cache._trie.get("m", kept).prompt_cache, strict=True):
+        np.testing.assert_array_equal(before, np.array(layer.keys[..., :600, :]))
