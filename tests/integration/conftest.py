@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -19,10 +21,12 @@ from tests.conftest import REPO, free_port, wait_until
 LOGS = REPO / ".pytest_cache" / "service-logs"
 
 
-def service_env(redis_url: str, models_dir: Path, **extra) -> dict:
-    """Environment for the service's processes under test."""
+def service_env(redis_url: str, models_dir: Path, spool_dir: Path, **extra) -> dict:
+    """Environment for the service's processes under test, spooling uploads in `spool_dir`."""
+    # A spool of its own: the default one (~/.cache/mlxq/spool) is shared with every other mlxq on the
+    # machine, whose uploads would come and go under the tests that check theirs are removed.
     env = {**os.environ, "REDIS_URL": redis_url, "MLXQ_REDIS_URL": redis_url, "MLXQ_MODELS_DIR": str(models_dir),
-           "PYTHONUNBUFFERED": "1"}
+           "MLXQ_SPOOL_DIR": str(spool_dir), "PYTHONUNBUFFERED": "1"}
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -69,13 +73,14 @@ class Proc:
 
 
 class Service:
-    """Worker + web on one Redis; `base_url` is the API's address."""
+    """Worker + web on one Redis and a private spool; `base_url` is the API's address."""
 
     def __init__(self, redis_url: str, models_dir: Path, **extra_env):
         self.redis_url = redis_url
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.env = env = service_env(redis_url, models_dir, **extra_env)
+        self.spool_dir = Path(tempfile.mkdtemp(prefix="mlxq-test-spool-"))
+        self.env = env = service_env(redis_url, models_dir, self.spool_dir, **extra_env)
         self.worker = Proc("worker", [sys.executable, "-m", "workers.main"], env)
         self.web = Proc("web", gunicorn_argv("127.0.0.1", self.port, 1), env)
 
@@ -112,9 +117,10 @@ class Service:
         self.wait_ready()
 
     def stop(self) -> None:
-        """Stop web and worker."""
+        """Stop web and worker; remove the spool."""
         self.web.stop()
         self.worker.stop()
+        shutil.rmtree(self.spool_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -150,7 +156,7 @@ def web_only(redis_url, models_dir):
 
     wait_until(up, 60, interval=0.2, what="the web tier")
     yield svc
-    svc.web.stop()
+    svc.stop()
 
 
 @pytest.fixture()

@@ -21,12 +21,13 @@ LIMIT_MB = 1
 
 
 @pytest.fixture(scope="module")
-def guarded(redis_url, models_dir):
+def guarded(redis_url, models_dir, tmp_path_factory):
     """A web tier alone, with an API key and a 1 MB upload limit: it refuses these requests before any job
     exists, so no worker is needed."""
     url = redis_url.rsplit("/", 1)[0] + "/7"
     port = free_port()
-    env = service_env(url, models_dir, MLXQ_API_KEYS=KEY, MLXQ_MAX_UPLOAD_MB=LIMIT_MB)
+    env = service_env(url, models_dir, tmp_path_factory.mktemp("spool"), MLXQ_API_KEYS=KEY,
+                      MLXQ_MAX_UPLOAD_MB=LIMIT_MB)
     web = Proc("web-cli", gunicorn_argv("127.0.0.1", port, 1), env).start()
     base = f"http://127.0.0.1:{port}"
     wait_until(lambda: _answers(base, web), 60, interval=0.1, what="the web tier to answer")

@@ -121,7 +121,8 @@ def test_a_truncated_file_is_refused_not_half_transcribed(api):
 
 def test_a_sync_transcription_killed_by_its_timeout_leaves_no_upload_behind(service):
     conn = redis.Redis.from_url(service.redis_url)
-    settings = load_settings({"redis_url": service.redis_url, "models_dir": service.env["MLXQ_MODELS_DIR"]})
+    settings = load_settings({"redis_url": service.redis_url, "models_dir": service.env["MLXQ_MODELS_DIR"],
+                              "spool_dir": service.spool_dir})
     job_id = queues.new_job_id("transcr")
     spooled = settings.spool_dir / job_id
     spooled.mkdir(parents=True)

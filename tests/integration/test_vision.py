@@ -19,7 +19,6 @@ import openai
 import pytest
 import redis
 
-from jobs.settings import load_settings
 from tests.integration.test_transcription import read_sse
 from workers.demo import shapes
 from workers.demo.pull import DEMO_VLM
@@ -196,7 +195,7 @@ def _bad_inputs(image_server, silent_server) -> dict:
                                   "timeout", "ftp url"])
 def test_bad_images_are_400s_and_leave_nothing_behind(api, service, image_server, silent_server, case):
     url, code = _bad_inputs(image_server, silent_server)[case]
-    before_spool, before_jobs = _spooled_chats(), _queued_chats(service)
+    before_spool, before_jobs = _spooled_chats(service), _queued_chats(service)
     response = api.post("/v1/chat/completions", json={
         "model": DEMO_VLM, "messages": [{"role": "user", "content": [
             {"type": "text", "text": QUESTION}, image_part(url)]}]})
@@ -204,7 +203,7 @@ def test_bad_images_are_400s_and_leave_nothing_behind(api, service, image_server
     error = response.json()["error"]
     assert error["code"] == code and error["param"] == "messages[0].content[1].image_url.url", error
     assert error["message"].startswith("messages[0].content[1]") and "Traceback" not in response.text
-    assert _spooled_chats() <= before_spool and _queued_chats(service) == before_jobs
+    assert _spooled_chats(service) <= before_spool and _queued_chats(service) == before_jobs
 
 
 def test_too_many_images_names_the_limit(api, pictures):
@@ -229,9 +228,9 @@ def test_a_png_bomb_is_refused_without_the_web_process_growing(api, service):
     assert growth_mib < 8, f"the web worker's peak memory grew by {growth_mib:.1f} MiB"
 
 
-def _spooled_chats() -> set[str]:
-    """The synchronous chats' directories in the service's spool (same environment, same default path)."""
-    spool = load_settings().spool_dir
+def _spooled_chats(service) -> set[str]:
+    """The synchronous chats' directories in the service's spool."""
+    spool = service.spool_dir
     return {p.name for p in spool.iterdir() if p.name.startswith("chatcmpl-")} if spool.exists() else set()
 
 
