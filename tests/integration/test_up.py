@@ -1,5 +1,6 @@
 """`mlxq up` as an operator runs it: an embedded Redis when none is there, a worker killed with -9
-restarted (its async job resumed), and Ctrl-C / SIGTERM leaving no process behind."""
+restarted, and Ctrl-C / SIGTERM leaving no process behind. (What a restarted worker does with the job the
+killed one was running, a transcription resumed from its checkpoint, is tests/integration/test_transcription_faults.py.)"""
 
 from __future__ import annotations
 
@@ -20,9 +21,12 @@ import redis
 from jobs.settings import load_settings
 from mlxq.devstack import LOCK_NAME, Stack, free_port, lock_data_dir, redis_answers
 from tests.conftest import REPO, wait_until
-from tests.integration.test_transcription import long_wav, submit_job
 
 RESTARTED_WITHIN_S = 30
+"""How soon the supervisor starts a new worker after one is killed (its own delay is a fraction of a second)."""
+
+READY_WITHIN_S = 180
+"""A bound on a worker's start up to a warm model (seconds on an idle machine; far longer on a busy one)."""
 
 
 def _children(pid: int) -> list[int]:
@@ -149,7 +153,7 @@ def test_a_child_that_cannot_stay_up_ends_the_stack_with_its_code(monkeypatch):
     stack.stop()
 
 
-def test_up_restarts_a_killed_worker_and_its_job_resumes(bare_env, tmp_path):
+def test_up_restarts_a_killed_worker(bare_env, tmp_path):
     port = free_port()
     log_path = tmp_path / "up.log"
     with open(log_path, "wb") as log:
@@ -158,12 +162,8 @@ def test_up_restarts_a_killed_worker_and_its_job_resumes(bare_env, tmp_path):
     api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
     everything: set[int] = set()
     try:
-        wait_until(lambda: _ready(api), 180, interval=0.5, what="mlxq up to be ready")
+        wait_until(lambda: _ready(api), READY_WITHIN_S, interval=0.5, what="mlxq up to be ready")
         assert "embedded valkey-server" in log_path.read_text()
-
-        job = submit_job(api, "minute.wav", content=long_wav(repeats=1))
-        wait_until(lambda: ((_record(api, job).get("progress") or {}).get("done_s") or 0) > 0, 300,
-                   interval=0.2, what="the first window to be transcribed")
         everything.update(_descendants(up.pid))
         old_worker = _worker_pid(up.pid)
         os.kill(old_worker, signal.SIGKILL)
@@ -171,17 +171,13 @@ def test_up_restarts_a_killed_worker_and_its_job_resumes(bare_env, tmp_path):
 
         new_worker = wait_until(lambda: (p := _worker_pid(up.pid)) not in (None, old_worker) and p,
                                 RESTARTED_WITHIN_S, interval=0.2, what="a new worker process")
-        # Until the new worker has warmed its model a chat is refused (503 no_worker, Retry-After), as a
-        # client that follows Retry-After sees it; /ready alone may still count the dead worker's key.
-        wait_until(lambda: _chat_answered(api), RESTARTED_WITHIN_S, interval=0.5, what="a chat to be answered")
         assert time.monotonic() - killed_at < RESTARTED_WITHIN_S
+        # Until the new worker has warmed its model a chat is refused (503 no_worker, Retry-After), as a
+        # client that follows Retry-After sees it; /ready alone may still count the dead worker's key. How
+        # long the warm-up takes is the machine's load, not the supervisor's: it is waited for, not timed.
+        wait_until(lambda: _chat_answered(api), READY_WITHIN_S, interval=0.5, what="a chat to be answered")
         text = log_path.read_text()
         assert f"worker (pid {old_worker}) exited with code -9" in text and f"worker restarted (pid {new_worker})" in text
-
-        record = wait_until(lambda: (r := _record(api, job))["status"] in ("succeeded", "failed") and r, 300,
-                            interval=0.5, what="the resumed job to finish")
-        assert record["status"] == "succeeded" and record["attempts"] >= 2, record
-        assert record["result"]["text"].strip()
         everything.update(_descendants(up.pid))
     finally:
         api.close()
@@ -251,7 +247,3 @@ def _ready(api: httpx.Client) -> bool:
         return api.get("/ready").status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def _record(api: httpx.Client, job: dict) -> dict:
-    return api.get(job["links"]["self"]).json()
