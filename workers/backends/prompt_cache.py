@@ -7,6 +7,11 @@ one), it copies all of that entry to keep a few dozen tokens: 38 ms on this CPU 
 KV caches is handed out as views of its first tokens: the first new token written makes the
 request's own buffer (KVCache grows by concatenation), so the entry is never written and only the
 part reused is ever copied. Other cache kinds go through mlx-lm's own path.
+
+Finding the entry is a walk down mlx-lm's token trie, as long as the prompt: mlx-lm's own search
+looks for the shortest longer entry with a copy of the path at every node, which cost 0.1-0.2 s of
+the MLX thread on the H100 host for each new 4,000-token prompt that shared a system prompt with
+kept 4,000-token entries (any longer entry holds the shared start, so the first one found serves).
 """
 
 from __future__ import annotations
@@ -19,17 +24,28 @@ class PromptCache(LRUPromptCache):
 
     def fetch_nearest_cache(self, model, tokens: list[int]):
         """The cache of the longest reusable prefix of `tokens` and the tokens left to process."""
-        result = self._trie.search(model, tokens)
-        shorter = len(result.shorter) if result.shorter is not None else 0
-        if result.exact is not None:
-            path, length = result.exact, len(result.exact)
-        elif result.longer is not None and result.common_prefix > shorter:
-            path, length = result.longer, min(len(tokens) - 1, result.common_prefix)
+        node = self._trie._trie.get(model)
+        if node is None or not tokens:
+            return None, tokens
+        matched = shorter = 0  # tokens walked; the longest kept entry that is a prefix of the prompt
+        while matched < len(tokens) and tokens[matched] in node:
+            node = node[tokens[matched]]
+            matched += 1
+            if "__value__" in node:
+                shorter = matched
+        if shorter == len(tokens):  # the whole prompt is kept
+            path, length = tokens, shorter
+        elif matched > shorter:  # the start of a longer entry: the first one below serves
+            path, length = list(tokens[:matched]), min(len(tokens) - 1, matched)
+            while "__value__" not in node:
+                token = next(iter(node))
+                path.append(token)
+                node = node[token]
         elif shorter:
-            path, length = result.shorter, shorter
+            path, length = tokens[:shorter], shorter
         else:
             return None, tokens
-        entry = self._trie.get(result.model, path).prompt_cache
+        entry = self._trie.get(model, path).prompt_cache
         if not all(type(c) is KVCache for c in entry):
             return super().fetch_nearest_cache(model, tokens)
         return [_prefix(c, length) for c in entry], tokens[length:]
