@@ -242,14 +242,14 @@ class TextBatch:
         else:
             self._decode()
         self._start_ready()
-        ended = refused + self._publish_and_collect()
+        results = refused + self._publish_and_collect()
         took = time.monotonic() - began
         if took > SLOW_STEP_S and log.isEnabledFor(logging.DEBUG):
             done = (f"prefill of {len(turn)} prompts, {sum(n for _, n in turn)} tokens" if turn
                     else f"decode of {self.sequences} sequences")
             log.debug("slow step: %.0f ms, %s (%d preparing, %d waiting)", 1000 * took, done,
                       len(self.preparing), len(self.waiting))
-        return ended
+        return results
 
     def _prefill_turn_due(self) -> list[tuple[Prompt, int]]:
         """The prompt-processing turn to take now, if one is due: always when nobody decodes, at once for
