@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.random_model import save, scale_down  # noqa: E402
 
 SMOLVLM_500M = {
     "text": {"hidden_size": 960, "intermediate_size": 2560, "num_hidden_layers": 32, "num_attention_heads": 15,
@@ -29,7 +32,6 @@ _PROCESSOR_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 def build(template: Path, out: Path, shape: dict, dtype: str) -> Path:
     """Write config, processor files and random weights of `shape` to `out`."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_map
     from mlx_vlm.utils import get_model_and_args, update_module_configs
 
     config = json.loads((template / "config.json").read_text())
@@ -46,15 +48,9 @@ def build(template: Path, out: Path, shape: dict, dtype: str) -> Path:
                                          ["text", "vision"])
     model = model_class.Model(model_config)
     model.set_dtype(getattr(mx, dtype))
-    # Default init gives unit-scale logits; scale the matrices so sampling is not degenerate.
-    model.update(tree_map(lambda p: p * 0.02 if p.ndim > 1 else p, model.parameters()))
+    scale_down(model)
     _never_special(model, template)
-    out.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())), {"format": "mlx"})
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    for name in _PROCESSOR_FILES:
-        if (template / name).exists():
-            shutil.copy(template / name, out / name)
+    save(model, config, out, template, _PROCESSOR_FILES)
     preprocessor = json.loads((template / "preprocessor_config.json").read_text())
     preprocessor["size"] = preprocessor["max_image_size"] = {"longest_edge": vision["image_size"]}
     (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))

@@ -15,7 +15,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def build(config_dir: Path, out: Path, overrides: dict, dtype: str) -> Path:
     """Write config, tokenizer and random weights of the given shape to `out`."""
     import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_map
     from mlx_lm.utils import _get_classes
 
     config = json.loads((config_dir / "config.json").read_text())
@@ -25,13 +24,27 @@ def build(config_dir: Path, out: Path, overrides: dict, dtype: str) -> Path:
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     model.set_dtype(getattr(mx, dtype))
-    # Default init gives unit-scale logits; scale the weights so sampling is not degenerate.
+    scale_down(model)
+    return save(model, config, out, config_dir, TOKENIZER_FILES)
+
+
+def scale_down(model) -> None:
+    """Default init gives unit-scale logits; scale the matrices so sampling is not degenerate."""
+    from mlx.utils import tree_map
+
     model.update(tree_map(lambda p: p * 0.02 if p.ndim > 1 else p, model.parameters()))
+
+
+def save(model, config: dict, out: Path, source_dir: Path, files: tuple[str, ...]) -> Path:
+    """Write the model's weights and config to `out`, with those of `files` that `source_dir` has."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())), {"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    for name in TOKENIZER_FILES:
-        if (config_dir / name).exists():
-            shutil.copy(config_dir / name, out / name)
+    for name in files:
+        if (source_dir / name).exists():
+            shutil.copy(source_dir / name, out / name)
     return out
 
