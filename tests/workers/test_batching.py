@@ -33,7 +33,7 @@ from jobs.settings import load_settings
 from jobs.store import resolve
 from tests.long_audio import build
 from tests.random_model import build as build_random_model
-from workers.backends import textbatch, textgen
+from workers.backends import prepare, textbatch, textgen
 from workers.backends.prefill import Prompt, plan
 from workers.main import build_scheduler
 from workers.scheduler import Scheduler
@@ -212,7 +212,7 @@ def test_completions_with_several_prompts_and_n(redis_conn, settings, worker_par
 @pytest.mark.parametrize("prepare_wait_s", [5.0, 0.0])  # refused while joining, or at a later step
 def test_a_request_that_could_never_fit_is_refused_up_front(redis_conn, models_dir, worker_parts, settings,
                                                              monkeypatch, prepare_wait_s):
-    monkeypatch.setattr(textbatch, "PREPARE_WAIT_S", prepare_wait_s)
+    monkeypatch.setattr(prepare, "PREPARE_WAIT_S", prepare_wait_s)
     models, backends = worker_parts
     models.load(ref(settings))
     model_mb = next(m["bytes"] for m in models.list() if m["id"] == MODEL) / 2**20
@@ -475,12 +475,12 @@ def test_a_request_being_prepared_does_not_hold_up_the_batch(redis_conn, setting
     import threading
 
     gate = threading.Event()
-    prepare = textbatch.TextBatch._prepare
+    real_prepare = textbatch.TextBatch._prepare
 
     def slow_prepare(self, request):  # the real preparation, held back until the test lets it go
         if request.id == slow.id:
             assert gate.wait(60)
-        return prepare(self, request)
+        return real_prepare(self, request)
 
     monkeypatch.setattr(textbatch.TextBatch, "_prepare", slow_prepare)
     first = chat(settings, QUESTIONS[2], max_tokens=24)

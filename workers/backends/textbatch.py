@@ -16,9 +16,8 @@ resumes instead of processing that prefix again.
 A request that is alone, with one choice, decodes on its own (workers/backends/solo.py), at the
 speed of a single stream; when another joins, the batch takes it over, cache and all.
 
-A request is prepared (its prompts tokenized, counted against the context and the KV memory, its
-grammar compiled) on a thread of its own, not on the MLX thread: a request with 128 tools or a
-prompt of megabytes would otherwise hold up everyone's next token for as long as that takes.
+A request joins once it is prepared (tokenized, counted, its grammar compiled) beside the MLX thread
+(workers/backends/prepare.py).
 """
 
 from __future__ import annotations
@@ -27,16 +26,15 @@ import itertools
 import logging
 import time
 from collections import Counter, deque
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, make_stop_sequences
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from jobs.contract import Choice, TextResult
-from jobs.errors import Canceled, ModelTooLarge
-from workers.backends import prefill, sampling, textgen, toolcalls
+from jobs.errors import Canceled
+from workers.backends import prefill, prepare, sampling, textgen, toolcalls
 from workers.backends.base import Outcome
 from workers.backends.choice import Member, Sequence
 from workers.backends.prefill import Prompt, Start
@@ -54,28 +52,6 @@ PREFILL_CHUNK = 512
 MERGE_BYTES = 256 * 2**20
 """At most this much padded KV cache for the prompts processed in one pass: merging copies their cached
 prefixes (a long shared system prompt times 32 prompts would be gigabytes, briefly)."""
-
-PREPARE_WAIT_S = 0.002
-"""How long joining waits for a request's preparation (a short chat's takes about a millisecond on a
-quiet machine, and then starts at the next step); longer ones finish while the batch steps: on a GPU
-a step takes milliseconds, and waiting here would hold everyone's next token."""
-
-IDLE_WAIT_S = 0.02
-"""With nothing to decode or process, how long a step waits for a preparation to finish."""
-
-_PREPARE = ThreadPoolExecutor(max_workers=4, thread_name_prefix="mlxq-text-prepare")
-"""The worker's preparing threads (tokenizers and llguidance let go of the GIL): a short chat is not
-prepared after the long prompts that came just before it."""
-
-
-@dataclass
-class Prepared:
-    """A request ready to join: its prompts' ids with their token budgets, its KV need, its grammar."""
-
-    prompts: list[tuple[list[int], int]]
-    need: int  # bytes its KV caches may grow to
-    grammar: object | None  # the compiled matcher its sequences copy (workers/backends/grammar.py)
-
 
 def kv_bytes_per_token(model, float32: bool) -> int:
     """KV-cache bytes one token takes in this model (keys and values, every layer): from its config."""
@@ -143,28 +119,14 @@ class TextBatch:
     def add(self, task) -> None:
         """Join the batch once prepared: one sequence per input and choice (`n`). A request that cannot
         be served (too long, too big for memory, a bad grammar) ends at a step with its error."""
-        future = _PREPARE.submit(self._prepare, task.request)
+        future = prepare.submit(self._prepare, task.request)
         self.preparing[task] = future
-        wait([future], timeout=PREPARE_WAIT_S)
+        wait([future], timeout=prepare.PREPARE_WAIT_S)
         self._collect_prepared()
 
-    def _prepare(self, request) -> Prepared:
-        """Tokenize, check and count a request; compile its grammar (on the preparing thread)."""
-        prompts = []  # every input checked before any is inserted: a refusal leaves the batch untouched
-        for prompt in request.inputs:
-            ids = textgen.prompt_ids(self.tokenizer, prompt, request.tools, request.model.context_length)
-            prompts.append((ids, textgen.token_budget(len(ids), request.sampling.max_tokens,
-                                                      request.model.context_length)))
-        need = self.kv_per_token * request.n * sum(len(ids) + budget for ids, budget in prompts)
-        if need > self._kv_memory():
-            raise ModelTooLarge(f"the request's KV cache may grow to {need / 2**20:.0f} MiB but the worker has "
-                                f"{self._kv_memory() / 2**20:.0f} MiB beside its models; ask for fewer tokens")
-        grammar = None
-        if request.sampling.grammar:
-            from workers.backends.grammar import compile_grammar  # llguidance only for requests that use it
-
-            grammar = compile_grammar(request.sampling.grammar, self.tokenizer, self.vocab)
-        return Prepared(prompts, need, grammar)
+    def _prepare(self, request) -> prepare.Prepared:
+        """The request prepared for this batch's model (on a preparing thread)."""
+        return prepare.prepare(request, self.tokenizer, self.vocab, self.kv_per_token, self._kv_memory)
 
     def _collect_prepared(self) -> None:
         """Move the prepared requests to the waiting line, and those that cannot be served to `refused`
@@ -228,7 +190,7 @@ class TextBatch:
         the requests that ended in it, each with its answer or the error that ended it (a cancel)."""
         began = time.monotonic()
         if self.preparing and not (self.members or self.waiting):  # nothing to do meanwhile
-            wait(list(self.preparing.values()), timeout=IDLE_WAIT_S, return_when=FIRST_COMPLETED)
+            wait(list(self.preparing.values()), timeout=prepare.IDLE_WAIT_S, return_when=FIRST_COMPLETED)
         self._collect_prepared()
         refused, self.refused = self.refused, []
         turn = self._prefill_turn_due()

@@ -1,0 +1,63 @@
+"""Preparing a text request for its batch, on threads beside the MLX thread.
+
+A request's prompts are rendered with the chat template and tokenized, checked against the model's
+context and counted against the worker's KV memory, and its grammar (json_schema, forced tools) is
+compiled once, for its choices to copy. On the MLX thread, a request with 128 tools or a prompt of
+megabytes held up everyone's next token for as long as that took; here it only waits for itself.
+The batch (workers/backends/textbatch.py) takes a request in once it is prepared, or ends it with
+the error its preparation raised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from jobs.errors import ModelTooLarge
+from workers.backends import textgen
+
+PREPARE_WAIT_S = 0.002
+"""How long joining waits for a request's preparation (a short chat's takes about a millisecond on a
+quiet machine, and then starts at the next step); longer ones finish while the batch steps: on a GPU
+a step takes milliseconds, and waiting here would hold everyone's next token."""
+
+IDLE_WAIT_S = 0.02
+"""With nothing to decode or process, how long a batch's step waits for a preparation to finish."""
+
+_THREADS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="mlxq-text-prepare")
+"""The worker's preparing threads (tokenizers and llguidance let go of the GIL): a short chat is not
+prepared after the long prompts that came just before it."""
+
+
+@dataclass
+class Prepared:
+    """A request ready to join: its prompts' ids with their token budgets, its KV need, its grammar."""
+
+    prompts: list[tuple[list[int], int]]
+    need: int  # bytes its KV caches may grow to
+    grammar: object | None  # the compiled matcher its sequences copy (workers/backends/grammar.py)
+
+
+def submit(prepare: Callable, request) -> Future:
+    """Prepare `request` with `prepare` on a preparing thread."""
+    return _THREADS.submit(prepare, request)
+
+
+def prepare(request, tokenizer, vocab: int, kv_per_token: int, kv_memory: Callable[[], int]) -> Prepared:
+    """Tokenize, check and count a request; compile its grammar. `kv_memory()`: bytes left for KV caches."""
+    prompts = []  # every input checked before any is inserted: a refusal leaves the batch untouched
+    for prompt in request.inputs:
+        ids = textgen.prompt_ids(tokenizer, prompt, request.tools, request.model.context_length)
+        prompts.append((ids, textgen.token_budget(len(ids), request.sampling.max_tokens,
+                                                  request.model.context_length)))
+    need = kv_per_token * request.n * sum(len(ids) + budget for ids, budget in prompts)
+    if need > kv_memory():
+        raise ModelTooLarge(f"the request's KV cache may grow to {need / 2**20:.0f} MiB but the worker has "
+                            f"{kv_memory() / 2**20:.0f} MiB beside its models; ask for fewer tokens")
+    grammar = None
+    if request.sampling.grammar:
+        from workers.backends.grammar import compile_grammar  # llguidance only for requests that use it
+
+        grammar = compile_grammar(request.sampling.grammar, tokenizer, vocab)
+    return Prepared(prompts, need, grammar)
