@@ -265,7 +265,8 @@ def test_a_long_prompt_is_processed_in_chunks_between_the_others_tokens(redis_co
     long_prompt = chat(settings, LONG_PROMPT, max_tokens=4)
     submit(redis_conn, settings, long_prompt)
     run.admission.look_now()  # look at the queue at the next step
-    step_until(run, lambda: sum(len(b) for b in run.text.values()) == 2)
+    # Joined once prepared (tokenizing it on the preparing thread may take longer than a step).
+    step_until(run, lambda: any(t.request.id == long_prompt.id for b in run.text.values() for t in b.members))
     [batch] = run.text.values()
     ours = next(m for t, m in batch.members.items() if t.request.id == short.id).sequences[0]
     theirs = next(m for t, m in batch.members.items() if t.request.id == long_prompt.id).sequences[0]
