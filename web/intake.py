@@ -68,6 +68,7 @@ def sampling(body: dict, info: ModelInfo, grammar: str | None = None) -> Samplin
     if body["top_k"] and info.vocab_size and body["top_k"] > info.vocab_size:
         raise APIError(400, f"'top_k' must be at most {info.vocab_size}, the vocabulary size of model "
                             f"'{info.id}'.", "invalid_value", "top_k")
+    bias = _logit_bias(body, info)
     own = grammar_for(body.get("response_format"))  # checked even where the tools' grammar stands in for it
     defaults = Sampling()
     return Sampling(
@@ -79,9 +80,23 @@ def sampling(body: dict, info: ModelInfo, grammar: str | None = None) -> Samplin
         seed=body["seed"],
         stop=tuple(s for s in body["stop"] or () if s),
         repetition_penalty=body["repetition_penalty"],
+        presence_penalty=body["presence_penalty"] or 0.0,
+        frequency_penalty=body["frequency_penalty"] or 0.0,
+        logit_bias=bias,
         grammar=grammar or own,
         logprobs=_logprobs(body),
     )
+
+
+def _logit_bias(body: dict, info: ModelInfo) -> tuple[tuple[int, float], ...]:
+    """The body's logit_bias as (token id, bias) pairs by id; 400 for an id outside the model's vocabulary."""
+    bias = body["logit_bias"] or {}
+    outside = [token for token in bias if info.vocab_size and token >= info.vocab_size]
+    if outside:
+        raise APIError(400, f"'logit_bias' names token {min(outside)}, but model '{info.id}' has "
+                            f"{info.vocab_size} tokens (ids 0 to {info.vocab_size - 1}).", "invalid_value",
+                       "logit_bias")
+    return tuple(sorted(bias.items()))
 
 
 def _logprobs(body: dict) -> int | None:

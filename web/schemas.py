@@ -48,6 +48,54 @@ class StringOrList(fields.Field):
         return items
 
 
+MAX_LOGIT_BIAS = 300
+"""The most token ids one request's logit_bias may name (OpenAI's limit)."""
+MAX_BIAS = 100
+"""logit_bias values lie in [-MAX_BIAS, MAX_BIAS]: -100 bans a token and +100 forces it, in practice."""
+
+
+class LogitBias(fields.Dict):
+    """OpenAI's `logit_bias`: token id (a JSON key: a non-negative integer as a string) to a number in
+    [-100, 100], at most 300 entries; loads as {id: bias}. The model's vocabulary bounds the ids further
+    (web.intake)."""
+
+    def __init__(self, **kwargs):
+        # `values` only documents the shape for OpenAPI (additionalProperties); _deserialize checks it
+        # itself, with flat messages, so a 400 names `logit_bias` (not `logit_bias.abc.key`).
+        metadata = {"description": "Token id (a non-negative integer, as a string) to a bias added to its "
+                                   f"logit before sampling, -{MAX_BIAS} to {MAX_BIAS} (-100 bans the token, "
+                                   f"+100 forces it, in practice); at most {MAX_LOGIT_BIAS} entries, ids "
+                                   "below the model's vocabulary size",
+                    "maxProperties": MAX_LOGIT_BIAS, "example": {"50256": -100}}
+        super().__init__(values=fields.Float(validate=validate.Range(min=-MAX_BIAS, max=MAX_BIAS)),
+                         metadata=metadata, **kwargs)
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        if not isinstance(value, dict):
+            raise ValidationError("must be an object mapping token ids to biases, such as {\"50256\": -100}")
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValidationError(f"at most {MAX_LOGIT_BIAS} token ids (got {len(value)})")
+        return {_token_id(key): _bias(key, bias) for key, bias in value.items()}
+
+
+def _token_id(key: str) -> int:
+    """A logit_bias key as a token id: digits only, no sign or leading zero (so no two keys name one id)."""
+    # isascii: str.isdigit also takes digits such as "²", which int() refuses
+    if not (key.isascii() and key.isdigit()) or (len(key) > 1 and key[0] == "0") or int(key) > MAX_TOP_K:
+        raise ValidationError(f"key {key[:40]!r} is not a token id: keys are non-negative integers written as "
+                              "strings, such as \"50256\"")
+    return int(key)
+
+
+def _bias(key: str, bias) -> float:
+    """A logit_bias value: a number in [-MAX_BIAS, MAX_BIAS]."""
+    if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+        raise ValidationError(f"the bias of token {key} must be a number, not {type(bias).__name__}")
+    if not -MAX_BIAS <= bias <= MAX_BIAS:
+        raise ValidationError(f"the bias of token {key} must lie between -{MAX_BIAS} and {MAX_BIAS}")
+    return float(bias)
+
+
 IMAGE_DETAILS = ("auto", "low", "high")
 
 
@@ -133,19 +181,14 @@ class SamplingSchema(Schema):
     stream_options = fields.Nested(StreamOptionsSchema, load_default=None, allow_none=True)
     user = fields.String(load_default=None, allow_none=True)
     n = fields.Integer(strict=True, load_default=1, validate=validate.Range(min=1, max=MAX_N), allow_none=True)
-    # Fields we cannot honour: accepted only at their neutral values, so meaning never changes silently.
-    presence_penalty = fields.Float(load_default=0.0, allow_none=True)
-    frequency_penalty = fields.Float(load_default=0.0, allow_none=True)
-    logit_bias = fields.Dict(load_default=None, allow_none=True)
-
-    @validates_schema
-    def _refuse_meaning_changes(self, data, **kwargs):
-        """Reject fields whose non-neutral values we cannot honour (a clear 400, naming the field)."""
-        neutral = {"presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0), "logit_bias": (None, {})}
-        for name, allowed in neutral.items():
-            if data.get(name) not in allowed:
-                hint = " (use repetition_penalty)" if name.endswith("_penalty") else ""
-                raise ValidationError(f"is not supported by this server{hint}", field_name=name)
+    # OpenAI's penalties (-2 to 2) and logit_bias: applied by the worker's sampler; null means neutral.
+    presence_penalty = fields.Float(load_default=0.0, allow_none=True, validate=validate.Range(min=-2, max=2),
+                                    metadata={"description": "Subtracted once from the logit of every token "
+                                              "already in the answer"})
+    frequency_penalty = fields.Float(load_default=0.0, allow_none=True, validate=validate.Range(min=-2, max=2),
+                                     metadata={"description": "Subtracted from the logit of every token already "
+                                               "in the answer, times the number of times it appears there"})
+    logit_bias = LogitBias(load_default=dict, allow_none=True)
 
 
 class ChatMessageSchema(Schema):

@@ -43,6 +43,8 @@ def assert_envelope(response, status: int, code: str | None = None, param: str |
     ({"messages": QUESTION, "max_tokens": 10**7}, "max_tokens"),
     ({"messages": QUESTION, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"messages": QUESTION, "n": 9}, "n"),
+    ({"messages": QUESTION, "presence_penalty": 2.5}, "presence_penalty"),
+    ({"messages": QUESTION, "logit_bias": {"49152": -100}}, "logit_bias"),  # the demo model's vocabulary: 49,152
     ({"messages": QUESTION, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"messages": QUESTION, "top_logprobs": 3}, "top_logprobs"),  # needs logprobs: true
     ({"messages": QUESTION, "response_format": {"type": "yaml"}}, "response_format.type"),

@@ -1,0 +1,113 @@
+"""presence_penalty, frequency_penalty and logit_bias at the web tier, through the real app on a real Redis
+(no worker): bad values are 400s naming the field; good ones reach the queued request's sampling. What the
+worker does with them is tested with the worker (tests/workers/).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from jobs.contract import parse
+from jobs.queues import fetch_job
+from tests import worker_heartbeat
+from web.app import create_app
+
+MODEL = "smollm2-135m"
+VOCAB = 49152
+"""The demo model's vocabulary size."""
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+CHAT = ("/v1/chat/completions", {"model": MODEL, "messages": QUESTION})
+COMPLETION = ("/v1/completions", {"model": MODEL, "prompt": "Paris is"})
+JOB = ("/v1/jobs/chat/completions", {"model": MODEL, "messages": QUESTION})
+
+
+@pytest.fixture()
+def client(settings, redis_conn):
+    """The app on the test Redis (flushed); sync calls give up after 0.2 s (nothing drains the queues)."""
+    return create_app(settings.with_overrides(sync_timeout_s=0.2)).test_client()
+
+
+def error_of(response, status: int = 400) -> dict:
+    """The envelope's error of a response that must have `status`."""
+    assert response.status_code == status, response.get_data(as_text=True)
+    return response.get_json()["error"]
+
+
+BAD = [
+    ("presence_penalty", 2.5), ("presence_penalty", -3), ("presence_penalty", "x"), ("presence_penalty", [1]),
+    ("frequency_penalty", 3), ("frequency_penalty", -2.01), ("frequency_penalty", "x"),
+    ("logit_bias", {"abc": 1}), ("logit_bias", {"-1": 1}), ("logit_bias", {"1.5": 1}), ("logit_bias", {"05": 1}),
+    ("logit_bias", {"²": 1}), ("logit_bias", {"": 1}), ("logit_bias", {str(2**40): 1}),
+    ("logit_bias", {"5": 101}), ("logit_bias", {"5": -100.5}), ("logit_bias", {"5": "x"}),
+    ("logit_bias", {"5": True}), ("logit_bias", {"5": None}), ("logit_bias", {"5": [1]}),
+    ("logit_bias", [[5, 1]]), ("logit_bias", "5"),
+    ("logit_bias", {str(i): 1 for i in range(301)}),
+    ("logit_bias", {str(VOCAB): -100}),  # one past the demo model's last token id
+    ("logit_bias", {"7": 1, str(10**9): 1}),
+]
+
+
+@pytest.mark.parametrize("path, base", [CHAT, COMPLETION, JOB], ids=["chat", "completions", "jobs"])
+@pytest.mark.parametrize("field, value", BAD)
+def test_a_bad_value_is_a_400_naming_the_field(client, redis_conn, path, base, field, value):
+    error = error_of(client.post(path, json={**base, field: value}))
+    assert error["param"] == field and error["code"] == "invalid_value", error
+    assert not redis_conn.keys("rq:job:*")  # refused before anything was queued
+
+
+def test_an_id_outside_the_vocabulary_says_how_many_tokens_the_model_has(client):
+    error = error_of(client.post(CHAT[0], json={**CHAT[1], "logit_bias": {"50256": -100}}))  # GPT-2's <|endoftext|>
+    assert error["param"] == "logit_bias" and "50256" in error["message"] and str(VOCAB) in error["message"]
+
+
+def test_too_many_entries_are_refused_by_count(client):
+    error = error_of(client.post(CHAT[0], json={**CHAT[1], "logit_bias": {str(i): 1 for i in range(301)}}))
+    assert "at most 300" in error["message"]
+
+
+def _queued_sampling(redis_conn, job_id: str):
+    """The sampling of the request queued as `job_id`, as the worker will read it."""
+    job = fetch_job(redis_conn, job_id)
+    assert job is not None, f"{job_id} was not queued"
+    return parse(job.args[0]).sampling
+
+
+GOOD = {"presence_penalty": 1.5, "frequency_penalty": -2,
+        "logit_bias": {"0": 100, "50": -100, str(VOCAB - 1): 2.5, "7": -0.5}}
+
+
+def test_good_values_reach_an_async_jobs_sampling(client, redis_conn):
+    response = client.post(JOB[0], json={**JOB[1], **GOOD})
+    assert response.status_code == 202, response.get_data(as_text=True)
+    sampling = _queued_sampling(redis_conn, response.get_json()["id"])
+    assert sampling.presence_penalty == 1.5 and sampling.frequency_penalty == -2.0
+    assert sampling.logit_bias == ((0, 100.0), (7, -0.5), (50, -100.0), (VOCAB - 1, 2.5))
+
+
+@pytest.mark.parametrize("path, base", [CHAT, COMPLETION], ids=["chat", "completions"])
+def test_good_values_reach_a_synchronous_calls_sampling(client, redis_conn, path, base):
+    worker_heartbeat.beat(redis_conn)  # taken as served: the call is queued and waits (0.2 s) for its answer
+    error = error_of(client.post(path, json={**base, **GOOD}), 504)
+    sampling = _queued_sampling(redis_conn, error["job_id"])
+    assert (sampling.presence_penalty, sampling.frequency_penalty) == (1.5, -2.0)
+    assert dict(sampling.logit_bias) == {0: 100.0, 50: -100.0, VOCAB - 1: 2.5, 7: -0.5}
+
+
+def test_null_and_empty_are_neutral(client, redis_conn):
+    body = {**JOB[1], "presence_penalty": None, "frequency_penalty": None, "logit_bias": None}
+    for extra in (body, {**JOB[1], "logit_bias": {}}, JOB[1]):
+        response = client.post(JOB[0], json=extra)
+        assert response.status_code == 202, response.get_data(as_text=True)
+        sampling = _queued_sampling(redis_conn, response.get_json()["id"])
+        assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.logit_bias) == (0.0, 0.0, ())
+
+
+def test_the_openapi_document_shows_the_ranges(client):
+    schemas = client.get("/openapi.json").get_json()["components"]["schemas"]
+    for name in ("ChatCompletionRequest", "CompletionRequest", "JobChatRequest"):
+        fields = schemas[name]["properties"]
+        for penalty in ("presence_penalty", "frequency_penalty"):
+            assert (fields[penalty]["minimum"], fields[penalty]["maximum"]) == (-2, 2), name
+        bias = fields["logit_bias"]
+        assert bias["type"] == "object" and bias["maxProperties"] == 300
+        assert (bias["additionalProperties"]["minimum"], bias["additionalProperties"]["maximum"]) == (-100, 100)
