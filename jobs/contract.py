@@ -43,6 +43,9 @@ class Sampling:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     repetition_penalty: float | None = None
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token the answer already holds
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence in the answer so far
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), ids checked by the web
     grammar: str | None = None  # an llguidance grammar the answer must follow (response_format: web/structured.py)
     logprobs: int | None = None  # None: no logprobs; k >= 0: each token's, with its k likeliest alternatives
 
@@ -197,6 +200,7 @@ def parse(payload: dict) -> Request:
         if cls in (TextRequest, MultimodalRequest):
             sampling = dict(values.get("sampling") or {})
             sampling["stop"] = tuple(sampling.get("stop") or ())
+            sampling["logit_bias"] = tuple((int(t), float(b)) for t, b in sampling.get("logit_bias") or ())
             values["sampling"] = Sampling(**sampling)
         return cls(**values)
     except (KeyError, TypeError, ValueError) as exc:
