@@ -36,7 +36,6 @@ from workers.admission import Admission
 from workers.backends.base import Outcome
 from workers.backends.prompt_cache import PromptCache
 from workers.backends.textbatch import TextBatch, batchable
-from workers.backends.textgen import reset_random_state
 from workers.running import Task, fail, finish, hand_back, resumable
 
 log = logging.getLogger(__name__)
@@ -169,7 +168,6 @@ class Scheduler:
         except REDIS_DOWN:
             raise
         except Exception as exc:  # the model failed for everyone in the batch
-            reset_random_state()
             ended = [(task, exc) for task in batch.tasks]
             for task, _ in ended:
                 batch.remove(task)

@@ -299,8 +299,7 @@ def test_a_request_decoding_alone_is_taken_over_by_the_batch_with_the_same_text(
     def alone_and(state) -> bool:
         if state == "prefilling":
             return any(p.fed for b in run.text.values() for p in b.prefilling)
-        solo = next((b.solo for b in run.text.values() if b.solo), None)
-        return solo is not None and solo[0].tokens >= 5
+        return any(len(b.decoder) == 1 and b.decoder.slots[0].handed >= 5 for b in run.text.values())
 
     step_until(run, lambda: alone_and(joined_while))
     second = chat(settings, QUESTIONS[4], max_tokens=20)
@@ -309,9 +308,10 @@ def test_a_request_decoding_alone_is_taken_over_by_the_batch_with_the_same_text(
     if joined_while == "decoding":
         step_until(run, lambda: sum(b.sequences for b in run.text.values()) == 2)
         [batch] = run.text.values()
-        assert batch.solo is None  # the batched generator has both
+        assert batch.decoder.batched  # one batch cache holds both
     else:  # the short one goes first, alone, while the long prompt is still being processed
-        step_until(run, lambda: any(b.solo and b.solo[0].task.request.id == second.id for b in run.text.values()))
+        step_until(run, lambda: any(len(b.decoder) == 1 and b.decoder.slots[0].key.task.request.id == second.id
+                                    for b in run.text.values()))
     run.run()
     for request in (first, second):
         assert texts(done(redis_conn, request.id)) == texts(alone(redis_conn, settings, worker_parts, request))

@@ -29,8 +29,7 @@ class Start:
 
     seq: object  # its workers.backends.choice.Sequence
     budget: int  # tokens it may generate
-    sampler: object
-    processors: list
+    row: object  # its sampling settings (workers/backends/sampling.py's Row)
     order: int  # its prompt's arrival in the batch
     cache: list | None = None
     fed: list[int] = field(default_factory=list)  # the tokens in `cache`
@@ -52,6 +51,7 @@ class Prompt:
     fed: list[int]  # the tokens whose keys and values are in the cache
     rest: list[int]  # the tokens still to feed; the last one is the decoder's
     order: int
+    turns: int = 0  # prompt-processing turns it has had
 
     @property
     def left(self) -> int:

@@ -1,70 +1,317 @@
-"""Per-request sampling for requests that decode together: each has its own filters and random stream.
+"""Sampling for sequences that decode together: one computation for the whole batch, whatever each asks.
 
-mlx-lm's `make_sampler` draws from MLX's one global generator, so in a batch a request's draws
-would depend on who else is decoding. Here a seeded request owns its key: its tokens are the same
-alone or in any batch. Greedy requests (temperature 0) take the argmax and need no key.
+Each sequence (a row) has its own temperature, top_p, top_k, min_p, penalties, logit bias, grammar
+and random stream. mlx-lm's BatchGenerator shares one sampler call only when every row has the same
+sampler object; with one per request it samples row by row (a filter chain, a key split and a
+draw per sequence per step), which halved the engine at 64 sequences on the H100. Here the rows'
+settings are arrays and a step is one computation: the logit bias, repetition, presence and
+frequency penalties, the grammars' masks, then one draw for every row.
+
+The draw is the Gumbel-max trick with counter-based noise: the noise of a row's n-th draw for token
+t is a hash of (its seed, n, t). A seeded request draws the same tokens alone or in any batch, with
+no random state to split, carry or hand over; a greedy row (temperature 0) takes its argmax inside the
+same computation (its noise is multiplied by 0). Filters (top_p, top_k, min_p) keep the tokens at or
+above a per-row threshold, found by sorting only the rows that have filters, once per step.
+
+Definitions follow mlx-lm where it has them (filters act on the untempered distribution, as its
+`make_sampler` does; the repetition penalty looks at the last REPETITION_CONTEXT tokens, prompt
+included) and OpenAI's for presence and frequency penalties (counted over the answer so far).
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p, make_logits_processors
+import numpy as np
 
 from jobs.contract import Sampling
 
-Sampler = Callable[[mx.array], mx.array]
+REPETITION_CONTEXT = 20
+"""Tokens the repetition penalty looks back over (mlx-lm's default context)."""
 
 
-def make_sampler(sampling: Sampling, vocab_size: int, seed_offset: int = 0) -> Sampler:
-    """A sampler for one sequence: the request's filters, then a draw from its own key.
+@dataclass
+class Row:
+    """One sequence's decoding settings."""
 
-    `seed_offset` gives the choices of one request (`n` > 1) distinct streams from one seed.
-    """
-    if sampling.temperature == 0:
-        return greedy
-    filters = []
-    if 0 < sampling.top_p < 1.0:
-        filters.append(lambda x: apply_top_p(x, sampling.top_p))
-    if sampling.min_p:
-        filters.append(lambda x: apply_min_p(x, sampling.min_p))
-    if effective_top_k(sampling, vocab_size):
-        filters.append(lambda x: apply_top_k(x, sampling.top_k))
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top_k
+    min_p: float = 0.0
+    seed: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    grammar: object = None  # its GrammarProcessor (workers/backends/grammar.py), if it has a response_format
+
+    @property
+    def filtered(self) -> bool:
+        """Whether it samples from fewer than all tokens (top_p, top_k or min_p)."""
+        return self.temperature > 0 and (self.top_p < 1.0 or self.top_k > 0 or self.min_p > 0)
+
+    @property
+    def penalized(self) -> bool:
+        """Whether it has a presence or frequency penalty (needs counts of its answer's tokens)."""
+        return bool(self.presence_penalty or self.frequency_penalty)
+
+
+def row_for(sampling: Sampling, vocab_size: int, seed_offset: int = 0, grammar=None) -> Row:
+    """A row's settings from a request's: `seed_offset` gives the choices of one request (`n` > 1)
+    distinct streams from one seed; an unseeded request gets a random seed."""
     seed = sampling.seed if sampling.seed is not None else int.from_bytes(os.urandom(8), "little")
-    key = [mx.random.key((seed + seed_offset) % 2**64)]
-    scale = 1.0 / sampling.temperature
-
-    def sample(logprobs: mx.array) -> mx.array:
-        for keep in filters:
-            logprobs = keep(logprobs)
-        key[0], draw = mx.random.split(key[0])
-        return mx.random.categorical(logprobs * scale, key=draw)
-
-    return sample
+    top_k = sampling.top_k if 0 < sampling.top_k < vocab_size else 0  # the whole vocabulary: no filter
+    return Row(temperature=sampling.temperature, top_p=sampling.top_p, top_k=top_k, min_p=sampling.min_p,
+               seed=(seed + seed_offset) % 2**64, repetition_penalty=sampling.repetition_penalty or 1.0,
+               presence_penalty=sampling.presence_penalty, frequency_penalty=sampling.frequency_penalty,
+               logit_bias=tuple(sampling.logit_bias), grammar=grammar)
 
 
-def effective_top_k(sampling: Sampling, vocab_size: int) -> int:
-    """The request's top_k, or 0 (none) when it keeps the whole vocabulary: mlx-lm refuses a top_k that
-    large, and its check raises inside a compiled function."""
-    return sampling.top_k if 0 < sampling.top_k < vocab_size else 0
+class BatchSampler:
+    """The sampling state of a batch's rows, in the batch's row order: settings as arrays, the counts
+    and recent tokens the penalties need, kept on the device and carried as rows join and leave."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab = vocab_size
+        self.rows: list[Row] = []
+        self.drawn: list[int] = []  # draws each row has made: the counter of its noise
+        self.counts: mx.array | None = None  # (B, V) occurrences in each row's answer, when a row has penalties
+        self.recent: mx.array | None = None  # (B, REPETITION_CONTEXT) last tokens, when a row has a repetition penalty
+        self.bias: mx.array | None = None  # (B, V) logit bias, when a row has one
+        self._settings: dict[str, mx.array] = {}
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def extend(self, rows: list[Row], contexts: list[list[int]]) -> None:
+        """Add rows; `contexts` are the tokens each has seen (for the repetition penalty's window)."""
+        old = len(self.rows)
+        self.rows += rows
+        self.drawn += [0] * len(rows)
+        if any(r.penalized for r in self.rows):
+            zeros = mx.zeros((len(rows), self.vocab), mx.float32)
+            self.counts = zeros if self.counts is None else mx.concatenate([self.counts, zeros])
+            if self.counts.shape[0] < len(self.rows):  # rows that were there before had none
+                self.counts = mx.concatenate([mx.zeros((old, self.vocab), mx.float32), self.counts])
+        if any(r.repetition_penalty != 1.0 for r in self.rows):
+            fresh = mx.array([_window(c) for c in contexts], mx.int32)
+            self.recent = fresh if self.recent is None else mx.concatenate([self.recent, fresh])
+            if self.recent.shape[0] < len(self.rows):
+                self.recent = mx.concatenate([mx.zeros((old, REPETITION_CONTEXT), mx.int32), self.recent])
+        if any(r.logit_bias for r in self.rows):
+            fresh = mx.stack([_bias_row(r.logit_bias, self.vocab) for r in rows])
+            self.bias = fresh if self.bias is None else mx.concatenate([self.bias, fresh])
+            if self.bias.shape[0] < len(self.rows):
+                self.bias = mx.concatenate([mx.zeros((old, self.vocab), mx.float32), self.bias])
+        self._settings = {}
+
+    def keep(self, indices: list[int]) -> None:
+        """Keep only these rows, in this order (the others left the batch)."""
+        self.rows = [self.rows[i] for i in indices]
+        self.drawn = [self.drawn[i] for i in indices]
+        index = mx.array(indices, mx.int32)
+        self.counts = self.counts[index] if self.counts is not None and indices else None
+        self.recent = self.recent[index] if self.recent is not None and indices else None
+        self.bias = self.bias[index] if self.bias is not None and indices else None
+        if not any(r.penalized for r in self.rows):
+            self.counts = None
+        if not any(r.repetition_penalty != 1.0 for r in self.rows):
+            self.recent = None
+        if not any(r.logit_bias for r in self.rows):
+            self.bias = None
+        self._settings = {}
+
+    def _arrays(self) -> dict[str, mx.array]:
+        """The rows' settings as device arrays (made again only when rows join or leave)."""
+        if not self._settings:
+            rows = self.rows
+            sampled = [r.temperature > 0 for r in rows]
+            seeds = np.array([r.seed for r in rows], np.uint64)
+            self._settings = {
+                "sampled": mx.array(sampled, mx.float32),
+                "inverse": mx.array([1 / r.temperature if r.temperature > 0 else 1.0 for r in rows], mx.float32),
+                "seed_lo": mx.array((seeds & 0xFFFFFFFF).astype(np.uint32)),
+                "seed_hi": mx.array((seeds >> 32).astype(np.uint32)),
+                "repetition": mx.array([r.repetition_penalty for r in rows], mx.float32),
+                "presence": mx.array([r.presence_penalty for r in rows], mx.float32),
+                "frequency": mx.array([r.frequency_penalty for r in rows], mx.float32),
+            }
+            filtered = [i for i, r in enumerate(rows) if r.filtered]
+            if filtered:
+                self._settings.update({
+                    "filtered": mx.array(filtered, mx.int32),
+                    "top_p": mx.array([rows[i].top_p for i in filtered], mx.float32),
+                    "top_k": mx.array([rows[i].top_k or self.vocab for i in filtered], mx.int32),
+                    "min_p": mx.array([rows[i].min_p for i in filtered], mx.float32),
+                })
+        return self._settings
+
+    def process(self, logits: mx.array, inputs: mx.array, generated: list[bool]) -> mx.array:
+        """The logits after each row's bias, penalties and grammar. `inputs` are the tokens fed at this
+        step, `generated[i]` whether row i's is part of its answer (not its prompt's last token)."""
+        settings = self._arrays()
+        if self.bias is not None:
+            logits = logits + self.bias.astype(logits.dtype)
+        if self.recent is not None:
+            self.recent = mx.concatenate([self.recent[:, 1:], inputs[:, None].astype(mx.int32)], axis=1)
+            logits = repetition(logits, self.recent, settings["repetition"])
+        if self.counts is not None:
+            weight = mx.array(generated, mx.float32)[:, None]
+            self.counts = self.counts + weight * (mx.arange(self.vocab)[None] == inputs[:, None])
+            logits = penalties(logits, self.counts, settings["presence"], settings["frequency"])
+        grammars = [(i, r.grammar) for i, r in enumerate(self.rows) if r.grammar is not None]
+        if grammars:
+            tokens = inputs.tolist()
+            words = np.stack([g.mask_words(tokens[i] if generated[i] else None) for i, g in grammars])
+            logits = masked(logits, [i for i, _ in grammars], words)
+        return logits
+
+    def sample(self, logprobs: mx.array) -> mx.array:
+        """One token per row, drawn from its (processed, normalized) log-probabilities."""
+        settings = self._arrays()
+        drawn = mx.array(self.drawn, mx.uint32)
+        self.drawn = [n + 1 for n in self.drawn]
+        floor = None
+        if "filtered" in settings:
+            rows = settings["filtered"]
+            kept = thresholds(logprobs[rows], settings["top_p"], settings["top_k"], settings["min_p"])
+            floor = _scatter(len(self.rows), rows, kept)
+        return draw(logprobs, settings["inverse"], settings["sampled"], settings["seed_lo"], settings["seed_hi"],
+                    drawn, floor)
 
 
-def greedy(logprobs: mx.array) -> mx.array:
-    """The most likely token."""
-    return mx.argmax(logprobs, axis=-1)
+def _scatter(n: int, rows: mx.array, values: mx.array) -> mx.array:
+    """A (n,) array of -inf with `values` at `rows`."""
+    out = mx.full((n,), -mx.inf, mx.float32)
+    out[rows] = values
+    return out
+
+
+def _window(tokens: list[int]) -> list[int]:
+    """The last REPETITION_CONTEXT tokens, padded at the front with the first of them (a token
+    repeated in the window is penalized once, as in mlx-lm)."""
+    tail = list(tokens[-REPETITION_CONTEXT:]) or [0]
+    return [tail[0]] * (REPETITION_CONTEXT - len(tail)) + tail
+
+
+def _bias_row(bias: tuple[tuple[int, float], ...], vocab: int) -> mx.array:
+    """A dense (V,) bias row."""
+    row = np.zeros(vocab, np.float32)
+    for token, value in bias:
+        row[token] += value
+    return mx.array(row)
+
+
+def repetition(logits: mx.array, recent: mx.array, penalty: mx.array) -> mx.array:
+    """mlx-lm's repetition penalty for every row: the logits of its recent tokens divided by its penalty
+    when positive, multiplied when negative (a penalty of 1 changes nothing)."""
+    selected = mx.take_along_axis(logits, recent, axis=-1)
+    scale = penalty[:, None].astype(logits.dtype)
+    selected = mx.where(selected < 0, selected * scale, selected / scale)
+    return mx.put_along_axis(logits, recent, selected, axis=-1)
+
+
+def penalties(logits: mx.array, counts: mx.array, presence: mx.array, frequency: mx.array) -> mx.array:
+    """OpenAI's presence and frequency penalties: minus presence once for a token in the answer, minus
+    frequency per occurrence."""
+    return logits - (presence[:, None] * (counts > 0) + frequency[:, None] * counts).astype(logits.dtype)
+
+
+def masked(logits: mx.array, rows: list[int], words: np.ndarray) -> mx.array:
+    """Disallow, in the given rows, the tokens whose bit is 0 in their packed masks (32 tokens a word)."""
+    bits = (mx.array(words.view(np.uint32))[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1
+    allowed = bits.reshape(len(rows), -1)[:, : logits.shape[-1]].astype(mx.bool_)
+    index = mx.array(rows, mx.int32)
+    logits = mx.array(logits)
+    logits[index] = mx.where(allowed, logits[index], -mx.inf)
+    return logits
+
+
+def thresholds(logprobs: mx.array, top_p: mx.array, top_k: mx.array, min_p: mx.array) -> mx.array:
+    """Per row, the lowest log-probability its filters keep: the top_k most likely, the fewest most
+    likely that make up top_p of the probability, those at least min_p times the likeliest; at least one."""
+    ordered = -mx.sort(-logprobs.astype(mx.float32), axis=-1)
+    probs = mx.exp(ordered)
+    before = mx.cumsum(probs, axis=-1) - probs  # the mass of the likelier tokens
+    keep_p = mx.sum(before < top_p[:, None], axis=-1)
+    keep_min = mx.sum(ordered >= ordered[:, :1] + mx.log(mx.maximum(min_p[:, None], 1e-30)), axis=-1)
+    keep = mx.maximum(mx.minimum(mx.minimum(keep_p, keep_min), top_k), 1)
+    return mx.take_along_axis(ordered, (keep - 1)[:, None].astype(mx.int32), axis=-1)[:, 0]
+
+
+def _mix(x: mx.array) -> mx.array:
+    """A 32-bit integer hash with good avalanche (Wellons' lowbias32)."""
+    x = x ^ (x >> 16)
+    x = x * mx.array(0x7FEB352D, mx.uint32)
+    x = x ^ (x >> 15)
+    x = x * mx.array(0x846CA68B, mx.uint32)
+    return x ^ (x >> 16)
+
+
+def noise(seed_lo: mx.array, seed_hi: mx.array, drawn: mx.array, vocab: int) -> mx.array:
+    """(B, V) standard Gumbel noise: row r's is a function of its seed and draw count only."""
+    key = _mix(_mix(seed_lo ^ _mix(seed_hi + mx.array(0x9E3779B9, mx.uint32))) ^ _mix(drawn))  # (B,)
+    tokens = mx.arange(vocab, dtype=mx.uint32)[None]
+    bits = _mix(_mix(tokens ^ key[:, None]) + key[:, None])
+    uniform = mx.minimum(bits.astype(mx.float32) * 2.0**-32 + 2.0**-33, 1 - 2.0**-24)  # (0, 1)
+    return -mx.log(-mx.log1p(-uniform))
+
+
+def draw(logprobs: mx.array, inverse: mx.array, sampled: mx.array, seed_lo: mx.array, seed_hi: mx.array,
+         drawn: mx.array, floor: mx.array | None = None) -> mx.array:
+    """One token per row: argmax of logprobs / temperature + Gumbel noise (greedy rows: no noise), over
+    the tokens at or above the row's `floor` (its filters' threshold; -inf keeps all)."""
+    scores = logprobs.astype(mx.float32) * inverse[:, None]
+    if floor is not None:
+        scores = mx.where(logprobs >= floor[:, None], scores, -mx.inf)
+    scores = scores + sampled[:, None] * noise(seed_lo, seed_hi, drawn, logprobs.shape[-1])
+    return mx.argmax(scores, axis=-1).astype(mx.uint32)
+
+
+def make_sampler(sampling: Sampling, vocab_size: int, seed_offset: int = 0) -> Callable[[mx.array], mx.array]:
+    """A one-sequence sampler with mlx-lm's interface (logprobs -> token), drawing as a batch row does."""
+    rows = BatchSampler(vocab_size)
+    rows.extend([row_for(sampling, vocab_size, seed_offset)], [[]])
+    return rows.sample
+
+
+class Processor:
+    """A one-sequence logits processor with mlx-lm's interface `(tokens, logits) -> logits`: the logit
+    bias, penalties and grammar of a batch row, for the paths that decode with mlx-lm's or mlx-vlm's own
+    loop. `tokens` is the prompt and the answer so far; the first call's are the prompt."""
+
+    def __init__(self, row: Row, vocab_size: int):
+        self.rows = BatchSampler(vocab_size)
+        self.row = row
+        self.prompt: int | None = None
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        """Apply the row's bias, penalties and grammar to one sequence's logits."""
+        tokens = tokens.reshape(-1)
+        if self.prompt is None:  # the first call: the prompt; its last token is the one fed now
+            self.prompt = tokens.size
+            self.rows.extend([self.row], [tokens[:-1].tolist()])
+        generated = tokens.size > self.prompt
+        return self.rows.process(logits, tokens[-1:], [generated])
 
 
 def logits_processors(sampling: Sampling, tokenizer=None, vocab_size: int = 0, grammar=None,
                       strict: bool = True) -> list:
-    """One sequence's logits processors: a repetition penalty, if asked for, then the response_format's
-    grammar (workers/backends/grammar.py: it needs the model's tokenizer and output size; `grammar` a
-    matcher compiled beforehand, `strict` whether its failure raises)."""
-    penalty = sampling.repetition_penalty
-    processors = make_logits_processors(repetition_penalty=penalty) if penalty and penalty != 1.0 else []
-    if sampling.grammar:
-        from workers.backends.grammar import GrammarProcessor  # llguidance only for requests that use it
+    """One sequence's logits processors for mlx-lm's or mlx-vlm's own loop (none when it needs none).
+    The grammar (workers/backends/grammar.py) needs the model's tokenizer and output size; `grammar`
+    a matcher compiled beforehand, `strict` whether its failure raises."""
+    row = row_for(sampling, vocab_size, grammar=make_grammar(sampling, tokenizer, vocab_size, grammar, strict))
+    needed = row.grammar is not None or row.logit_bias or row.penalized or row.repetition_penalty != 1.0
+    return [Processor(row, vocab_size)] if needed else []
 
-        processors.append(GrammarProcessor(grammar or sampling.grammar, tokenizer, vocab_size, strict))
-    return processors
+
+def make_grammar(sampling: Sampling, tokenizer, vocab_size: int, grammar=None, strict: bool = True):
+    """A GrammarProcessor for one sequence of a request with a response_format, else None."""
+    if not sampling.grammar:
+        return None
+    from workers.backends.grammar import GrammarProcessor  # llguidance only for requests that use it
+
+    return GrammarProcessor(grammar or sampling.grammar, tokenizer, vocab_size, strict)

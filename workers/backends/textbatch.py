@@ -7,14 +7,12 @@ decodes, prompt processing gets at most half of the time, so a long prompt delay
 tokens by one turn at most and a short request starts within a turn or two of arriving. Decoding
 holds up to `max_batch` sequences, shared out among requests fewest-first, and a request with
 nothing decoding yet always starts one, so none waits for another's many choices to finish.
-Each sequence (a choice) has
-its own sampler (workers/backends/sampling.py), stop strings (matched on text, never streamed),
-token budget and usage count. A finished sequence's KV cache goes to the worker's prompt cache, from
+Decoding is one forward pass and one sampling computation for every sequence
+(workers/backends/decoding.py, workers/backends/sampling.py), whatever each one's sampling settings.
+Each sequence (a choice) has its own stop strings (matched on text, never streamed), token budget and
+usage count. A finished sequence's KV cache goes to the worker's prompt cache, from
 which a later request that starts the same way (a system prompt, a conversation's earlier turns)
 resumes instead of processing that prefix again.
-
-A request that is alone, with one choice, decodes on its own (workers/backends/solo.py), at the
-speed of a single stream; when another joins, the batch takes it over, cache and all.
 
 A request joins once it is prepared (tokenized, counted, its grammar compiled) beside the MLX thread
 (workers/backends/prepare.py).
@@ -29,7 +27,7 @@ from collections import Counter, deque
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, make_stop_sequences
+from mlx_lm.generate import generation_stream, maybe_set_recommended_wired_limit
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from jobs.contract import Choice, TextResult
@@ -37,8 +35,8 @@ from jobs.errors import Canceled
 from workers.backends import prefill, prepare, sampling, textgen, toolcalls
 from workers.backends.base import Outcome
 from workers.backends.choice import Member, Sequence
+from workers.backends.decoding import DecodeBatch
 from workers.backends.prefill import Prompt, Start
-from workers.backends.solo import SoloDecoder
 from workers.backends.text import delta
 
 log = logging.getLogger(__name__)
@@ -81,16 +79,12 @@ class TextBatch:
         self.tokenizer = resident.processor
         self.vocab = textgen.output_size(resident.model, self.tokenizer)
         self.max_batch = max_batch
-        # Sequences reach the generator with their prompts processed, and only as many as this batch
-        # lets decode (max_batch, plus a first one for each request): its own limits never hold one back.
-        self.generator = BatchGenerator(resident.model, completion_batch_size=2 * max_batch,
-                                        prefill_batch_size=2 * max_batch, prefill_step_size=PREFILL_CHUNK)
-        self.stop_tokens = make_stop_sequences(self.tokenizer)
+        self.stream = generation_stream
+        self.decoder = DecodeBatch(resident.model, self.vocab, set(self.tokenizer.eos_token_ids), self.stream)
+        self._old_wired_limit = maybe_set_recommended_wired_limit()  # as mlx-lm's generators do (Metal)
         self.members: dict[object, Member] = {}
         self.prefilling: list[Prompt] = []  # prompts being processed
         self.ready: list[Start] = []  # choices whose prompts are processed, waiting for room to decode
-        self.by_uid: dict[int, Sequence] = {}
-        self.solo: tuple[Sequence, SoloDecoder] | None = None  # the lone sequence, decoding on its own
         self.next_turn_at = 0.0  # while anyone decodes, no prompt-processing turn before this (monotonic)
         self._order = itertools.count()
         self.interval = settings.stream_interval_ms / 1000
@@ -107,14 +101,11 @@ class TextBatch:
     @property
     def sequences(self) -> int:
         """How many choices are decoding."""
-        return len(self.by_uid) + (self.solo is not None)
+        return len(self.decoder)
 
     def _decoding(self) -> Counter:
         """How many choices each request has decoding."""
-        counts = Counter(seq.task for seq in self.by_uid.values())
-        if self.solo is not None:
-            counts[self.solo[0].task] += 1
-        return counts
+        return Counter(slot.key.task for slot in self.decoder.slots)
 
     def add(self, task) -> None:
         """Join the batch once prepared: one sequence per input and choice (`n`). A request that cannot
@@ -176,14 +167,9 @@ class TextBatch:
         member = self.members.pop(task, None)
         if member is None:
             return
-        if self.solo is not None and self.solo[0].task is task:
-            self.solo = None
         self.prefilling = [p for p in self.prefilling if p.task is not task]
         self.ready = [s for s in self.ready if s.task is not task]
-        uids = [uid for uid, seq in self.by_uid.items() if seq.task is task]
-        self.generator.remove(uids)
-        for uid in uids:
-            del self.by_uid[uid]
+        self.decoder.remove(member.sequences)
 
     def step(self) -> list[tuple[object, Outcome | Exception]]:
         """One turn of the batch: a decode step for everyone decoding, or a turn of prompt processing;
@@ -225,16 +211,19 @@ class TextBatch:
         if not turn or not decoding:
             return turn
         first, tokens = turn[0]
-        new = not started[first.task] and tokens == first.left
+        # A new request whose whole prompt one turn processes goes at once; the last chunk of a long one
+        # waits its turn like the others (it would hold the decoders up a second turn in a row).
+        new = not started[first.task] and tokens == first.left and not first.turns
         return turn if new or time.monotonic() >= self.next_turn_at else []
 
     def _prefill(self, turn: list[tuple[Prompt, int]]) -> None:
         """Process the turn's prompts; those that are done get ready to decode."""
         together = self._together([prompt for prompt, tokens in turn if tokens == prompt.left and prompt.plain])
-        with mx.stream(self.generator.stream):
+        with mx.stream(self.stream):
             if together:
                 prefill.feed_together(self.resident.model, together)
             for prompt, tokens in turn:
+                prompt.turns += 1
                 if prompt not in together:
                     prompt.feed(self.resident.model, tokens)
                 if not prompt.left:
@@ -251,26 +240,12 @@ class TextBatch:
         return []
 
     def _decode(self) -> None:
-        """One token for every decoding sequence (alone, or in the batched generator)."""
-        if self.solo is not None:
-            return self._step_solo()
-        if not self.by_uid:
-            return
-        _, responses = self.generator.next()
-        stopped = []  # ended by one of our stop strings: mlx-lm still counts them as running
-        for response in responses:
-            seq = self.by_uid.get(response.uid)
-            if seq is None or not seq.advance(response.token, response.finish_reason, response.logprobs):
-                continue
-            del self.by_uid[response.uid]
-            if response.finish_reason is None:
-                stopped.append(response.uid)
-            else:  # its cache serves later requests that start the same way
-                self._keep(response.all_tokens, response.prompt_cache)
-        if stopped:
-            for cache, tokens in self.generator.remove(stopped, return_prompt_caches=True).values():
+        """One token for every decoding sequence; those that finished leave, their caches kept."""
+        finished = [out.key for out in self.decoder.step()
+                    if out.key.advance(out.token, out.finish_reason, out.logprobs)]
+        if finished:  # their caches serve later requests that start the same way
+            for cache, tokens in self.decoder.remove(finished, keep_caches=True):
                 self._keep(tokens, cache)
-        if responses:
             self._trim_kept()
 
     def _keep(self, tokens, cache: list) -> None:
@@ -291,10 +266,8 @@ class TextBatch:
             if decoding[start.task] and total >= self.max_batch:
                 continue
             self.ready.remove(start)
-            alone = not total and not self.ready
-            if not alone and self.solo is not None:
-                self._hand_over()
-            self._start(start, alone)
+            self.decoder.insert(start.seq, start.cache, start.fed, start.last[-1], start.budget, start.row,
+                                logprobs=start.task.request.sampling.logprobs is not None)
             decoding[start.task] += 1
             total += 1
 
@@ -318,56 +291,14 @@ class TextBatch:
         starts = []
         for copy in range(request.n):
             # A grammar's failure ends this sequence, not the batch (its request is told: _outcome).
-            processors = sampling.logits_processors(request.sampling, self.tokenizer, self.vocab, grammar,
-                                                    strict=False)
+            row = sampling.row_for(request.sampling, self.vocab, copy, sampling.make_grammar(
+                request.sampling, self.tokenizer, self.vocab, grammar, strict=False))
             seq = Sequence(task, index * request.n + copy, len(ids), cached, self.tokenizer.detokenizer,
                            textgen.StopBuffer(request.sampling.stop), tokenizer=self.tokenizer,
-                           tools=toolcalls.for_request(request, self.tokenizer),
-                           grammar=next((p for p in processors if hasattr(p, "matcher")), None))
-            starts.append(Start(seq, budget, sampling.make_sampler(request.sampling, self.vocab, copy),
-                                processors, order))
+                           tools=toolcalls.for_request(request, self.tokenizer), grammar=row.grammar)
+            starts.append(Start(seq, budget, row, order))
         cache = cache if cache is not None else make_prompt_cache(self.resident.model)
         return Prompt(task, starts, cache, ids[:cached], list(rest), order)
-
-    def _start(self, start: Start, alone: bool) -> None:
-        """Start decoding one choice: on its own when `alone`, else in the batched generator."""
-        if alone:
-            self.solo = start.seq, SoloDecoder(self.resident.model, start.fed, start.last, start.cache,
-                                               start.sampler, start.processors, start.budget,
-                                               set(self.tokenizer.eos_token_ids))
-        else:
-            self._insert_batched(start.seq, start.last, start.cache, start.fed, start.budget, start.sampler,
-                                 start.processors)
-
-    def _insert_batched(self, seq, prompt, cache, fed, budget, sampler, processors) -> None:
-        (uid,) = self.generator.insert([prompt], max_tokens=[budget], caches=[cache], all_tokens=[fed],
-                                       samplers=[sampler], logits_processors=[processors],
-                                       stop_sequences=[self.stop_tokens])
-        self.by_uid[uid] = seq
-
-    def _step_solo(self) -> None:
-        """A prefill chunk or one token of the lone sequence; its cache is kept when it finishes."""
-        seq, solo = self.solo
-        with mx.stream(self.generator.stream):
-            out = solo.step()
-        if seq.advance(*out, solo.last_logprobs):
-            self.solo = None
-            self.prompt_cache.insert_cache(self.key, list(solo.fed), solo.cache)
-            self._trim_kept()
-
-    def _hand_over(self) -> None:
-        """Move the lone sequence into the batched generator, which another sequence is joining."""
-        seq, solo = self.solo
-        self.solo = None
-        prompt = solo.rest
-        if solo.decoding:  # the token being computed is handed out; decoding goes on from it
-            with mx.stream(self.generator.stream):
-                token, finish_reason = solo.take_pending()
-            if seq.advance(token, finish_reason, solo.last_logprobs):
-                self.prompt_cache.insert_cache(self.key, list(solo.fed), solo.cache)
-                return
-            prompt = [token]
-        self._insert_batched(seq, prompt, solo.cache, solo.fed, solo.left, solo.sampler, solo.processors)
 
     def _publish_and_collect(self) -> list[tuple[object, Outcome | Exception]]:
         """Send the deltas that are due (one round trip for all); return the requests that ended:
@@ -427,5 +358,8 @@ class TextBatch:
         return Outcome(result.as_dict(), before=self._deltas(member))
 
     def close(self) -> None:
-        """Give back what the generator holds (the last request has left)."""
-        self.generator.close()
+        """Give back what decoding held (the last request has left)."""
+        if self._old_wired_limit is not None:
+            mx.synchronize(self.stream)
+            mx.set_wired_limit(self._old_wired_limit)
+            self._old_wired_limit = None

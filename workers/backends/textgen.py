@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
-from mlx_lm.sample_utils import make_sampler
 from mlx_lm.utils import dequantize_model
 
 from jobs.contract import Sampling
 from jobs.errors import ContextLengthExceeded
 from workers.backends.logprobs import entry
-from workers.backends.sampling import effective_top_k, logits_processors
+from workers.backends.sampling import logits_processors, make_sampler
 
 
 @dataclass(frozen=True)
@@ -169,8 +167,7 @@ def token_budget(prompt_tokens: int, max_tokens: int, context_length: int | None
 
 def _generation_kwargs(sampling: Sampling, vocab_size: int, tokenizer=None) -> dict:
     """stream_generate's sampler and logits processors for these settings."""
-    sampler = make_sampler(temp=sampling.temperature, top_p=sampling.top_p, min_p=sampling.min_p,
-                           top_k=effective_top_k(sampling, vocab_size))
+    sampler = make_sampler(sampling, vocab_size)
     return {"sampler": sampler, "logits_processors": logits_processors(sampling, tokenizer, vocab_size)}
 
 
@@ -196,8 +193,6 @@ def generate(model, tokenizer, prompt: list[int], sampling: Sampling,
              context_length: int | None = None) -> Iterator[Piece]:
     """Generate from token ids: one Piece per token; the last one carries the finish reason."""
     budget = token_budget(len(prompt), sampling.max_tokens, context_length)
-    if sampling.seed is not None:
-        mx.random.seed(sampling.seed)
     kwargs = _generation_kwargs(sampling, output_size(model, tokenizer), tokenizer)
     steps = (Step(step.text, step.generation_tokens, len(prompt), step.finish_reason,
                   logprob_of(sampling, tokenizer, step.token, step.logprobs, step.finish_reason))
@@ -221,21 +216,8 @@ def pieces(steps: Iterator[Step], stops: StopBuffer) -> Iterator[Piece]:
                 yield Piece(text + stops.flush(), step.tokens, step.prompt_tokens, step.finish_reason, step.logprob)
                 return
             yield Piece(text, step.tokens, step.prompt_tokens, logprob=step.logprob)
-    except Exception:
-        reset_random_state()
-        raise
     finally:
         steps.close()  # the library's generator stops now, not whenever it is collected
-
-
-def reset_random_state() -> None:
-    """Give MLX's global generator a fresh key after a failed generation.
-
-    mlx-lm's samplers are compiled with the generator's state as input and output; an exception
-    raised while one is traced leaves a placeholder array in that state, and from then on every
-    sampled generation in the process fails ("Attempting to eval an array without a primitive").
-    """
-    mx.random.seed(int.from_bytes(os.urandom(8), "little"))
 
 
 def output_size(model, tokenizer) -> int:

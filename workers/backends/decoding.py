@@ -1,0 +1,149 @@
+"""The decode loop of a text batch: one token for every decoding sequence per step, in one forward pass.
+
+Sequences join with their prompts processed (workers/backends/prefill.py): a cache holding all but the
+prompt's last token, which the next step feeds. Their first forward is the batch's next one (mlx-lm's
+GenerationBatch gives new sequences a forward pass of their own); they leave when the batch says
+so, with their caches for the prompt cache. Sampling is one computation for all rows
+(workers/backends/sampling.py). Each step queues the next forward pass before reading back the
+tokens of the last one, so the device never waits for Python.
+
+A sequence decoding alone keeps its plain cache, at the speed of a single stream (mlx-lm's batch
+cache costs one stream a good part of its speed); a second one joining merges both into a batch
+cache, and the last one left gets a plain cache again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from workers.backends.sampling import BatchSampler, Row
+
+CLEAR_EVERY = 512
+"""Steps between returns of MLX's freed buffers to the allocator (as mlx-lm's generator does)."""
+
+
+@dataclass(eq=False)
+class Slot:
+    """One decoding sequence: who it is, its token budget, the tokens in its cache."""
+
+    key: object  # the caller's handle for it (textbatch's Sequence)
+    budget: int  # tokens it may hand out
+    fed: list[int]  # the tokens whose keys and values are in the cache
+    logprobs: bool  # whether its tokens' log-probabilities are wanted
+    handed: int = 0  # tokens handed out so far
+    generated: bool = False  # whether its input at the coming step is one of its own tokens
+
+
+@dataclass
+class Token:
+    """What a step hands out for one sequence."""
+
+    key: object
+    token: int
+    finish_reason: str | None  # "stop" (end of sequence), "length" (budget), or None
+    logprobs: mx.array | None = field(default=None, repr=False)  # (V,) it was drawn from, when wanted
+
+
+class DecodeBatch:
+    """The sequences decoding together on one model."""
+
+    def __init__(self, model, vocab_size: int, eos: set[int], stream=None):
+        self.model, self.eos = model, eos
+        self.stream = stream or mx.default_stream(mx.default_device())
+        self.slots: list[Slot] = []
+        self.sampler = BatchSampler(vocab_size)
+        self.cache: list = []  # per layer: a plain cache (one sequence) or a batch cache
+        self.batched = False
+        self.inputs: mx.array | None = None  # (B,) the tokens the next step feeds (being computed)
+        self.input_logprobs: mx.array | None = None  # (B, V) what they were drawn from, when any slot wants them
+        self.steps = 0
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def insert(self, key, cache: list, fed: list[int], last: int, budget: int, row: Row,
+               logprobs: bool = False) -> None:
+        """Add a sequence: `cache` holds `fed`, its prompt but `last`, which the next step feeds."""
+        with mx.stream(self.stream):
+            if not self.slots:
+                self.cache, self.batched = cache, False
+            else:
+                if not self.batched:
+                    self.cache = [type(c).merge([c]) for c in self.cache]
+                    self.batched = True
+                for mine, theirs in zip(self.cache, cache, strict=True):
+                    mine.extend(type(theirs).merge([theirs]))
+            first = mx.array([last], mx.uint32)
+            self.inputs = first if self.inputs is None else mx.concatenate([self.inputs, first])
+            if self.input_logprobs is not None:  # its first input was not drawn: a row of zeros
+                self.input_logprobs = mx.concatenate([self.input_logprobs,
+                                                      mx.zeros((1, self.input_logprobs.shape[-1]),
+                                                               self.input_logprobs.dtype)])
+        self.slots.append(Slot(key, budget, list(fed), logprobs))
+        self.sampler.extend([row], [fed])
+
+    def step(self) -> list[Token]:
+        """Queue the next forward pass, then hand out each sequence's token from the last one (none for
+        a sequence that just joined: its first step feeds its prompt's last token)."""
+        if not self.slots:
+            return []
+        with mx.stream(self.stream):
+            current, current_logprobs = self.inputs, self.input_logprobs
+            logits = self.model(current[:, None], cache=self.cache)[:, -1, :]
+            generated = [slot.generated for slot in self.slots]
+            logits = self.sampler.process(logits, current, generated)
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            self.inputs = self.sampler.sample(logprobs)
+            wanted = any(slot.logprobs for slot in self.slots)
+            self.input_logprobs = logprobs if wanted else None
+            mx.async_eval(self.inputs, *([logprobs] if wanted else []))
+            tokens = current.tolist()
+        self.steps += 1
+        if self.steps % CLEAR_EVERY == 0:
+            mx.clear_cache()
+        out = []
+        for i, (slot, token) in enumerate(zip(self.slots, tokens, strict=True)):
+            slot.fed.append(token)
+            if not slot.generated:  # its prompt's last token: nothing to hand out yet
+                slot.generated = True
+                continue
+            slot.handed += 1
+            finish = "stop" if token in self.eos else ("length" if slot.handed >= slot.budget else None)
+            vector = current_logprobs[i] if slot.logprobs and current_logprobs is not None else None
+            out.append(Token(slot.key, token, finish, vector))
+        return out
+
+    def remove(self, keys: list, keep_caches: bool = False) -> list[tuple[list, list[int]]]:
+        """Take sequences out; with `keep_caches`, return (cache, the tokens in it) of each."""
+        gone = set(map(id, keys))
+        drop = [i for i, slot in enumerate(self.slots) if id(slot.key) in gone]
+        if not drop:
+            return []
+        kept = []
+        with mx.stream(self.stream):
+            if keep_caches:
+                for i in drop:
+                    slot = self.slots[i]
+                    # The cache holds one more token than handed out: the last one fed (its keys and values
+                    # are being computed now); `fed` lists exactly what it holds.
+                    cache = [c.extract(i) for c in self.cache] if self.batched else self.cache
+                    kept.append((cache, list(slot.fed)))
+            keep = [i for i in range(len(self.slots)) if i not in set(drop)]
+            self.slots = [self.slots[i] for i in keep]
+            self.sampler.keep(keep)
+            if not keep:
+                self.cache, self.batched, self.inputs, self.input_logprobs = [], False, None, None
+                return kept
+            index = mx.array(keep, mx.int32)
+            self.inputs = self.inputs[index]
+            if self.input_logprobs is not None:
+                self.input_logprobs = self.input_logprobs[index]
+            if self.batched:
+                for c in self.cache:
+                    c.filter(keep)
+                if len(keep) == 1:  # decoding alone again: a plain cache, at a single stream's speed
+                    self.cache = [c.extract(0) for c in self.cache]
+                    self.batched = False
+        return kept
