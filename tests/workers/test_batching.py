@@ -105,8 +105,19 @@ def step_until(run: Scheduler, condition, limit: int = 5000) -> None:
     raise AssertionError("the condition never held")
 
 
+MIXED = [  # what clients send: greedy, the APIs' default temperature, filters, penalties, a bias
+    {}, {"temperature": 1.0, "seed": 1}, {"temperature": 0.7, "top_p": 0.9, "seed": 2},
+    {"temperature": 0.8, "top_k": 40, "seed": 3}, {"temperature": 0.9, "repetition_penalty": 1.3, "seed": 4},
+    {"temperature": 1.0, "presence_penalty": 1.5, "frequency_penalty": 0.5, "seed": 5},
+    {"temperature": 0.6, "min_p": 0.1, "logit_bias": ((13, -100.0), (30, 5.0)), "seed": 6}, {"max_tokens": 12},
+]
+
+
 def test_requests_decode_together_and_each_gives_what_it_gives_alone(redis_conn, settings, worker_parts):
-    requests = [chat(settings, q) for q in QUESTIONS[:4]]
+    # Eight requests with different sampling decode in one batch; each gives what it gives alone: the
+    # greedy ones their argmax, the seeded ones the same draws (a row's random stream is its own).
+    requests = [chat(settings, QUESTIONS[i % len(QUESTIONS)], **{"max_tokens": 16, **mixed})
+                for i, mixed in enumerate(MIXED)]
     for request in requests:
         submit(redis_conn, settings, request)
     run = scheduler(redis_conn, settings, worker_parts)

@@ -1,0 +1,130 @@
+"""The batched sampler's arithmetic (workers/backends/sampling.py), on small made-up distributions."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.sample_utils import make_repetition_penalty
+
+from jobs.contract import Sampling
+from workers.backends import sampling
+from workers.backends.sampling import BatchSampler, Row
+
+PROBS = [0.5, 0.3, 0.15, 0.05]
+
+
+def logprobs(probs, rows: int = 1) -> mx.array:
+    return mx.log(mx.array([probs] * rows, mx.float32))
+
+
+def draws(row: Row, probs, n: int) -> list[int]:
+    """`n` successive draws of one row from the same distribution."""
+    batch = BatchSampler(len(probs))
+    batch.extend([row], [[]])
+    return [batch.sample(logprobs(probs)).item() for _ in range(n)]
+
+
+def test_draws_follow_the_distribution_and_the_temperature():
+    counts = np.bincount(draws(Row(temperature=1.0, seed=1), PROBS, 4000), minlength=4) / 4000
+    assert np.abs(counts - PROBS).max() < 0.03, counts
+    # Temperature 0.5 squares the probabilities (renormalized): the likeliest gains.
+    sharp = np.array(PROBS) ** 2 / sum(p * p for p in PROBS)
+    counts = np.bincount(draws(Row(temperature=0.5, seed=2), PROBS, 4000), minlength=4) / 4000
+    assert np.abs(counts - sharp).max() < 0.03, counts
+
+
+@pytest.mark.parametrize(("row", "allowed"), [
+    (Row(temperature=1.0, top_k=2, seed=3), {0, 1}),
+    (Row(temperature=1.0, top_p=0.7, seed=4), {0, 1}),  # 0.5 alone is short of 0.7; 0.5 + 0.3 is not
+    (Row(temperature=1.0, top_p=0.5, seed=5), {0}),
+    (Row(temperature=1.0, min_p=0.25, seed=6), {0, 1, 2}),  # at least 0.25 x 0.5
+    (Row(temperature=1.0, top_k=3, top_p=0.85, min_p=0.5, seed=7), {0, 1}),  # every filter at once
+])
+def test_filters_keep_only_what_they_allow(row, allowed):
+    seen = set(draws(row, PROBS, 400))
+    assert seen == allowed
+
+
+def test_greedy_rows_take_the_argmax_beside_sampled_rows():
+    batch = BatchSampler(4)
+    batch.extend([Row(), Row(temperature=1.0, seed=9), Row(), Row(temperature=1.5, top_k=3, seed=10)], [[]] * 4)
+    rows = mx.log(mx.array([PROBS, PROBS, PROBS[::-1], PROBS], mx.float32))
+    for _ in range(20):
+        tokens = batch.sample(rows).tolist()
+        assert tokens[0] == 0 and tokens[2] == 3 and tokens[3] != 3
+
+
+def test_a_seeded_row_draws_the_same_alone_and_in_any_batch():
+    seeded = Row(temperature=1.0, top_p=0.9, seed=42)
+    alone = draws(seeded, PROBS, 50)
+    batch = BatchSampler(4)
+    batch.extend([Row(temperature=0.7, seed=1)], [[]])
+    tokens = []
+    for step in range(50):
+        if step == 0:
+            batch.extend([seeded, Row()], [[], []])  # it joins a batch already under way
+        if step == 20:
+            batch.keep([1, 2])  # the row before it leaves
+        tokens.append(batch.sample(logprobs(PROBS, len(batch))).tolist()[1 if step < 20 else 0])
+    assert tokens == alone
+    assert draws(Row(temperature=1.0, top_p=0.9, seed=43), PROBS, 50) != alone
+
+
+def test_choices_of_one_seeded_request_draw_differently():
+    request = Sampling(temperature=1.0, seed=5)
+    first, second = (sampling.row_for(request, 4, offset) for offset in (0, 1))
+    assert draws(first, PROBS, 30) != draws(second, PROBS, 30)
+
+
+def test_logit_bias_bans_and_forces():
+    batch = BatchSampler(4)
+    batch.extend([Row(logit_bias=((0, -100.0),)), Row(temperature=1.0, logit_bias=((3, 100.0),), seed=1), Row()],
+                 [[]] * 3)
+    logits = batch.process(logprobs(PROBS, 3), mx.array([0, 0, 0]), [False] * 3)
+    tokens = batch.sample(logits - mx.logsumexp(logits, axis=-1, keepdims=True)).tolist()
+    assert tokens == [1, 3, 0]
+
+
+def test_presence_and_frequency_penalties_count_only_the_answer():
+    batch = BatchSampler(4)
+    batch.extend([Row(presence_penalty=1.0), Row(frequency_penalty=0.5), Row()], [[2, 2, 2]] * 3)
+    zeros = mx.zeros((3, 4))
+    # The first input is the prompt's last token: not counted.
+    assert batch.process(zeros, mx.array([2, 2, 2]), [False] * 3).tolist() == [[0.0] * 4] * 3
+    batch.process(zeros, mx.array([1, 1, 1]), [True] * 3)
+    out = batch.process(zeros, mx.array([1, 1, 1]), [True] * 3).tolist()
+    assert out[0] == [0.0, -1.0, 0.0, 0.0]  # once, however often
+    assert out[1] == [0.0, -1.0, 0.0, 0.0]  # 0.5 per occurrence, twice
+    assert out[2] == [0.0] * 4
+
+
+def test_repetition_penalty_is_mlx_lms():
+    context = [5, 1, 7, 1, 3]
+    values = [[2.0, -1.0, 0.5, 3.0, -2.0, 1.0, 0.0, -0.5]]
+    expected = make_repetition_penalty(1.5, 20)(mx.array(context + [6]), mx.array(values))  # (writes in place)
+    logits = mx.array(values)
+    batch = BatchSampler(8)
+    batch.extend([Row(repetition_penalty=1.5)], [context])
+    assert np.allclose(batch.process(logits, mx.array([6]), [False]), expected)
+
+
+def test_a_row_without_settings_leaves_the_logits_alone_beside_rows_with_them():
+    batch = BatchSampler(4)
+    batch.extend([Row(repetition_penalty=2.0, presence_penalty=1.0, logit_bias=((1, 3.0),)), Row()],
+                 [[0, 1], [0, 1]])
+    logits = mx.array([[1.0, 2.0, -1.0, 0.5]] * 2)
+    batch.process(logits, mx.array([1, 1]), [True, True])
+    out = batch.process(logits, mx.array([1, 1]), [True, True])
+    assert out[1].tolist() == [1.0, 2.0, -1.0, 0.5]
+    assert out[0].tolist() != out[1].tolist()
+
+
+def test_grammar_masks_apply_to_their_rows_only():
+    words = np.zeros((1, 1), np.uint32)
+    words[0, 0] = 0b0100  # only token 2
+    out = sampling.masked(mx.zeros((2, 4)), [1], words)
+    assert out[0].tolist() == [0.0] * 4
+    assert [math.isinf(v) for v in out[1].tolist()] == [True, True, False, True]
