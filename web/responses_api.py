@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from flask import jsonify
-from marshmallow import EXCLUDE, Schema, ValidationError, fields, validate, validates_schema
+from marshmallow import EXCLUDE, ValidationError, fields, validate, validates_schema
 
 from jobs import queues, records
 from jobs.lifecycle import cancel_queued, request_cancel, settle
@@ -18,7 +18,7 @@ from web.jsonbody import Blueprint
 from web.media_parts import accepts_media_parts
 from web.render.responses import Responses, echo, from_record
 from web.response_schemas import SSE, AnyObjectSchema, ServerSentEventSchema
-from web.schemas import load_chat
+from web.schemas import PENALTY_FIELDS, PenaltiesSchema, load_chat
 from web.services import services
 
 blp = Blueprint("responses", __name__, url_prefix="/v1/responses", description="OpenAI's Responses API")
@@ -30,8 +30,9 @@ CHAT_FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "response
 """The chat fields a Responses request becomes, and the fields an error about them names."""
 
 
-class ResponsesRequestSchema(Schema):
-    """POST /v1/responses body (the subset mlxq serves; of tools, function tools)."""
+class ResponsesRequestSchema(PenaltiesSchema):
+    """POST /v1/responses body (the subset mlxq serves; of tools, function tools), plus chat's penalties and
+    logit_bias: not fields of OpenAI's Responses API, so mlxq's own here, honoured as on chat."""
 
     class Meta:
         unknown = EXCLUDE
@@ -159,7 +160,9 @@ def _as_chat(body: dict, messages: list[dict]) -> dict:
     chat = load_chat({"model": body["model"], "messages": messages, "max_tokens": body["max_output_tokens"],
                       "temperature": body["temperature"], "top_p": body["top_p"],
                       "response_format": response_format}, CHAT_FIELDS)
-    return {**chat, **tools.chat_fields(body)}  # checked tools: not chat's fields, so added after loading
+    # Checked already (tools here, the penalties by the schema, whose logit_bias keys are ints now, which
+    # chat's schema cannot load again): added after loading, under chat's names, which are the same.
+    return {**chat, **tools.chat_fields(body), **{name: body[name] for name in PENALTY_FIELDS}}
 
 
 def _responses_param(param: str | None) -> str | None:

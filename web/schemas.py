@@ -157,7 +157,24 @@ class StreamOptionsSchema(Schema):
     include_usage = fields.Boolean(load_default=False)
 
 
-class SamplingSchema(Schema):
+class PenaltiesSchema(Schema):
+    """OpenAI's penalties (-2 to 2) and logit_bias, applied by the worker's sampler; null means neutral.
+    Chat, completions and Responses bodies all take them from here."""
+
+    presence_penalty = fields.Float(load_default=0.0, allow_none=True, validate=validate.Range(min=-2, max=2),
+                                    metadata={"description": "Subtracted once from the logit of every token "
+                                              "already in the answer"})
+    frequency_penalty = fields.Float(load_default=0.0, allow_none=True, validate=validate.Range(min=-2, max=2),
+                                     metadata={"description": "Subtracted from the logit of every token already "
+                                               "in the answer, times the number of times it appears there"})
+    logit_bias = LogitBias(load_default=dict, allow_none=True)
+
+
+PENALTY_FIELDS = ("presence_penalty", "frequency_penalty", "logit_bias")
+"""PenaltiesSchema's fields."""
+
+
+class SamplingSchema(PenaltiesSchema):
     """Fields shared by chat and text completions."""
 
     class Meta:
@@ -181,14 +198,6 @@ class SamplingSchema(Schema):
     stream_options = fields.Nested(StreamOptionsSchema, load_default=None, allow_none=True)
     user = fields.String(load_default=None, allow_none=True)
     n = fields.Integer(strict=True, load_default=1, validate=validate.Range(min=1, max=MAX_N), allow_none=True)
-    # OpenAI's penalties (-2 to 2) and logit_bias: applied by the worker's sampler; null means neutral.
-    presence_penalty = fields.Float(load_default=0.0, allow_none=True, validate=validate.Range(min=-2, max=2),
-                                    metadata={"description": "Subtracted once from the logit of every token "
-                                              "already in the answer"})
-    frequency_penalty = fields.Float(load_default=0.0, allow_none=True, validate=validate.Range(min=-2, max=2),
-                                     metadata={"description": "Subtracted from the logit of every token already "
-                                               "in the answer, times the number of times it appears there"})
-    logit_bias = LogitBias(load_default=dict, allow_none=True)
 
 
 class ChatMessageSchema(Schema):

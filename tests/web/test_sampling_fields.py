@@ -1,6 +1,7 @@
 """presence_penalty, frequency_penalty and logit_bias at the web tier, through the real app on a real Redis
-(no worker): bad values are 400s naming the field; good ones reach the queued request's sampling. What the
-worker does with them is tested with the worker (tests/workers/).
+(no worker): bad values are 400s naming the field; good ones reach the queued request's sampling, on chat,
+completions, async chat jobs and Responses (background ones too). Messages has no such fields: it ignores
+them as it does any unknown field. What the worker does with them is tested with the worker (tests/workers/).
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 CHAT = ("/v1/chat/completions", {"model": MODEL, "messages": QUESTION})
 COMPLETION = ("/v1/completions", {"model": MODEL, "prompt": "Paris is"})
 JOB = ("/v1/jobs/chat/completions", {"model": MODEL, "messages": QUESTION})
+RESPONSE = ("/v1/responses", {"model": MODEL, "input": "What is the capital of France?"})
+BACKGROUND = ("/v1/responses", {**RESPONSE[1], "background": True})
+MESSAGE = ("/v1/messages", {"model": MODEL, "max_tokens": 8, "messages": QUESTION})
 
 
 @pytest.fixture()
@@ -47,7 +51,8 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize("path, base", [CHAT, COMPLETION, JOB], ids=["chat", "completions", "jobs"])
+@pytest.mark.parametrize("path, base", [CHAT, COMPLETION, JOB, RESPONSE],
+                         ids=["chat", "completions", "jobs", "responses"])
 @pytest.mark.parametrize("field, value", BAD)
 def test_a_bad_value_is_a_400_naming_the_field(client, redis_conn, path, base, field, value):
     error = error_of(client.post(path, json={**base, field: value}))
@@ -58,6 +63,12 @@ def test_a_bad_value_is_a_400_naming_the_field(client, redis_conn, path, base, f
 def test_an_id_outside_the_vocabulary_says_how_many_tokens_the_model_has(client):
     error = error_of(client.post(CHAT[0], json={**CHAT[1], "logit_bias": {"50256": -100}}))  # GPT-2's <|endoftext|>
     assert error["param"] == "logit_bias" and "50256" in error["message"] and str(VOCAB) in error["message"]
+
+
+def test_a_background_response_checks_the_vocabulary_before_it_is_queued(client, redis_conn):
+    error = error_of(client.post(BACKGROUND[0], json={**BACKGROUND[1], "logit_bias": {str(VOCAB): -100}}))
+    assert error["param"] == "logit_bias" and str(VOCAB) in error["message"], error
+    assert not redis_conn.keys("rq:job:*")
 
 
 def test_too_many_entries_are_refused_by_count(client):
@@ -84,7 +95,16 @@ def test_good_values_reach_an_async_jobs_sampling(client, redis_conn):
     assert sampling.logit_bias == ((0, 100.0), (7, -0.5), (50, -100.0), (VOCAB - 1, 2.5))
 
 
-@pytest.mark.parametrize("path, base", [CHAT, COMPLETION], ids=["chat", "completions"])
+def test_good_values_reach_a_background_responses_sampling(client, redis_conn):
+    response = client.post(BACKGROUND[0], json={**BACKGROUND[1], **GOOD})
+    assert response.status_code == 200 and response.get_json()["status"] == "queued", response.get_data(as_text=True)
+    sampling = _queued_sampling(redis_conn, response.get_json()["id"])
+    assert (sampling.presence_penalty, sampling.frequency_penalty) == (1.5, -2.0)
+    assert sampling.logit_bias == ((0, 100.0), (7, -0.5), (50, -100.0), (VOCAB - 1, 2.5))
+
+
+@pytest.mark.parametrize("path, base", [CHAT, COMPLETION, RESPONSE, (RESPONSE[0], {**RESPONSE[1], "store": False})],
+                         ids=["chat", "completions", "responses", "responses-unstored"])
 def test_good_values_reach_a_synchronous_calls_sampling(client, redis_conn, path, base):
     worker_heartbeat.beat(redis_conn)  # taken as served: the call is queued and waits (0.2 s) for its answer
     error = error_of(client.post(path, json={**base, **GOOD}), 504)
@@ -93,18 +113,31 @@ def test_good_values_reach_a_synchronous_calls_sampling(client, redis_conn, path
     assert dict(sampling.logit_bias) == {0: 100.0, 50: -100.0, VOCAB - 1: 2.5, 7: -0.5}
 
 
-def test_null_and_empty_are_neutral(client, redis_conn):
-    body = {**JOB[1], "presence_penalty": None, "frequency_penalty": None, "logit_bias": None}
-    for extra in (body, {**JOB[1], "logit_bias": {}}, JOB[1]):
-        response = client.post(JOB[0], json=extra)
-        assert response.status_code == 202, response.get_data(as_text=True)
+@pytest.mark.parametrize("path, base, status", [(*JOB, 202), (*BACKGROUND, 200)], ids=["jobs", "responses"])
+def test_null_and_empty_are_neutral(client, redis_conn, path, base, status):
+    body = {**base, "presence_penalty": None, "frequency_penalty": None, "logit_bias": None}
+    for extra in (body, {**base, "logit_bias": {}}, base):
+        response = client.post(path, json=extra)
+        assert response.status_code == status, response.get_data(as_text=True)
         sampling = _queued_sampling(redis_conn, response.get_json()["id"])
         assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.logit_bias) == (0.0, 0.0, ())
 
 
+def test_messages_ignores_them_as_unknown_fields(client, redis_conn):
+    """Anthropic's Messages API has no such fields: like any field it does not know, they are dropped
+    (docs/api.md), even values chat would refuse."""
+    worker_heartbeat.beat(redis_conn)
+    extra = {"presence_penalty": 2.5, "frequency_penalty": 1, "logit_bias": {str(VOCAB): -100}}
+    response = client.post(MESSAGE[0], json={**MESSAGE[1], **extra})
+    assert response.status_code == 504, response.get_data(as_text=True)  # queued, waited for, not refused
+    [job_key] = redis_conn.keys("rq:job:msg-*")
+    sampling = _queued_sampling(redis_conn, job_key.decode().removeprefix("rq:job:"))
+    assert (sampling.presence_penalty, sampling.frequency_penalty, sampling.logit_bias) == (0.0, 0.0, ())
+
+
 def test_the_openapi_document_shows_the_ranges(client):
     schemas = client.get("/openapi.json").get_json()["components"]["schemas"]
-    for name in ("ChatCompletionRequest", "CompletionRequest", "JobChatRequest"):
+    for name in ("ChatCompletionRequest", "CompletionRequest", "JobChatRequest", "ResponsesRequest"):
         fields = schemas[name]["properties"]
         for penalty in ("presence_penalty", "frequency_penalty"):
             assert (fields[penalty]["minimum"], fields[penalty]["maximum"]) == (-2, 2), name
