@@ -1,18 +1,32 @@
-"""Concurrency benchmark: N streaming chats at once, mlxq vs mlx_lm.server on the same model, one run.
+"""Concurrency benchmark: N streaming chats at once, mlxq vs mlx_lm.server vs the engine, one run.
 
-For each N (and each server, in alternating order), N clients each stream a 128-token greedy chat
-with a prompt of their own, all started together. Reported per N and server: aggregate tokens/s
-(every stream's completion tokens over the wall time from the first request to the last token),
-time to first token p50/p99, and failed requests (an HTTP error, a dropped connection or a stream
-that ended without its last chunk), each the median of `--rounds` rounds (failures: the sum).
-Before its rounds, each N is run once unmeasured on both servers: MLX compiles kernels for each new
-batch shape the first time it meets it (up to a second on CUDA), a cost a running service pays once.
+For each N, workload and contestant, N requests of `--max-tokens` tokens, each with a prompt of its
+own, all start together. Workloads (`--workloads`, default all three), side by side in the report:
+greedy (temperature 0); sampled (temperature `--temperature`, nothing else); mixed (request i takes
+the i-th of MIX in turn: greedy, temperature 1, top_p, top_k, a repetition and a presence penalty,
+a seed). Contestants: mlxq and mlx_lm.server over HTTP (streaming chats, one body for both), and
+with `--direct` (the default) mlx-lm's BatchGenerator in this process: the same prompts through the
+chat template, all N inserted at once, ONE sampler shared by every row (greedy; the workload's
+temperature; for mixed temperature 0.7 with top_p 0.9): the engine's ceiling, no server around it.
+It runs no stop tokens, so each of its rows gives exactly `--max-tokens` tokens.
+
+Reported per workload, N and contestant: aggregate tokens/s (every request's completion tokens
+over the wall time from the first request, or insert, to the last token), time to first token
+p50/p99, and failed requests (an HTTP error, a dropped connection or a stream that ended without
+its last chunk), each the median of `--rounds` rounds (failures: the sum); then the ratios of
+issue 31: mlxq sampled and mixed ÷ mlxq greedy, and mlxq ÷ mlx_lm.server and ÷ direct per workload.
+Rounds alternate: within a round every workload runs on every contestant in turn (rotating order),
+one at a time, so none shares the machine with another's work and drift moves all alike; the
+direct engine's KV caches are freed after each of its rounds. Before its rounds, each N and
+workload runs once unmeasured on every contestant: MLX compiles kernels for each new batch shape
+the first time it meets it (up to a second on CUDA), a cost a running service pays once.
 Direct mlx-lm's single-stream decode is measured beside each N = 1 round, for the N = 1 ratio.
 
 With `--control` a second mlx_lm.server runs beside the first: how far two identical servers come
 apart in one run is how finely the run resolves a difference between mlxq and mlx_lm.server.
 
-    python bench/bench_concurrency.py --model DIR [--n 1,8,32,64] [--max-tokens 128] [--rounds 3] [--control]
+    python bench/bench_concurrency.py --model DIR [--n 1,8,32,64] [--max-tokens 128] [--rounds 3]
+        [--workloads greedy,sampled,mixed] [--temperature 0.7] [--no-direct] [--control]
 """
 
 from __future__ import annotations
@@ -38,15 +52,44 @@ from bench.bench_text import (  # noqa: E402
 from bench.common import KeepAliveClient, percentile, start_redis, write_report  # noqa: E402
 
 TOPICS = ["a lighthouse", "a dragon", "the sea", "a city at night", "an old map", "a garden", "a river", "a train"]
+WORKLOADS = ("greedy", "sampled", "mixed")
+MIX = ({"temperature": 0}, {"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9},
+       {"temperature": 0.8, "top_k": 40}, {"temperature": 0.9, "repetition_penalty": 1.1},
+       {"temperature": 1.0, "presence_penalty": 0.5}, {"temperature": 0.8, "seed": None})
+"""The mixed workload's requests in turn; temperature 1.0 alone is OpenAI's and Anthropic's default.
+The seeded one's seed is its request's index. mlx_lm.server reads every one of these fields."""
+MLX_LM_SERVER_NOTES = [
+    "mlx_lm.server serves a seeded request outside its batch: it lets the running batch finish, "
+    "then runs the seeded request alone (server.py _is_batchable: args.seed is None).",
+    "mlx_lm.server's repetition and presence penalties look at the last 20 tokens "
+    "(repetition_context_size, presence_context_size); mlxq's presence penalty counts the whole answer.",
+    "mlx_lm.server decodes at most --decode-concurrency (default 32) requests at once; the rest wait.",
+]
 
 
-def one_stream(base: str, model: str, index: int, max_tokens: int, started: float, out: dict) -> None:
+def messages(index: int) -> list[dict]:
+    """Request `index`'s chat: a prompt of its own."""
+    return [{"role": "user", "content": f"Request {index}: write a long story about "
+                                        f"{TOPICS[index % len(TOPICS)]}, number {index}."}]
+
+
+def sampling_fields(workload: str, index: int, temperature: float) -> dict:
+    """The sampling fields of request `index` in a workload (the same for mlxq and mlx_lm.server)."""
+    if workload == "greedy":
+        return {"temperature": 0}
+    if workload == "sampled":
+        return {"temperature": temperature}
+    fields = dict(MIX[index % len(MIX)])
+    if "seed" in fields:
+        fields["seed"] = index
+    return fields
+
+
+def one_stream(base: str, model: str, index: int, fields: dict, max_tokens: int, started: float, out: dict) -> None:
     """Stream one chat; record its time to first token, completion tokens and end (or its failure)."""
     client = KeepAliveClient(base, timeout=600)
-    body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True},
-            "messages": [{"role": "user", "content": f"Request {index}: write a long story about "
-                                                     f"{TOPICS[index % len(TOPICS)]}, number {index}."}]}
+    body = {"model": model, "max_tokens": max_tokens, **fields, "stream": True,
+            "stream_options": {"include_usage": True}, "messages": messages(index)}
     first = tokens = None
     finished = False
     try:
@@ -70,16 +113,23 @@ def one_stream(base: str, model: str, index: int, max_tokens: int, started: floa
         client.close()
 
 
-def round_of(server, n: int, max_tokens: int) -> dict:
-    """N streams at once against one server; its aggregate figures."""
+def round_of(server, workload: str, n: int, max_tokens: int, temperature: float) -> dict:
+    """N streams of one workload at once against one server; its aggregate figures."""
     results: dict[int, dict] = {}
     started = time.perf_counter()
-    threads = [threading.Thread(target=one_stream, args=(server.base, server.model, i, max_tokens, started, results))
+    threads = [threading.Thread(target=one_stream, args=(server.base, server.model, i,
+                                                         sampling_fields(workload, i, temperature),
+                                                         max_tokens, started, results))
                for i in range(n)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(900)
+    return figures(n, started, results)
+
+
+def figures(n: int, started: float, results: dict[int, dict]) -> dict:
+    """A round's aggregate figures from each request's result (ok, ttft, tokens, end, decode_tps)."""
     ok = [r for r in results.values() if r["ok"]]
     wall = max((r["end"] for r in results.values()), default=started) - started
     ttfts = [r["ttft"] for r in ok]
@@ -91,63 +141,201 @@ def round_of(server, n: int, max_tokens: int) -> dict:
             "wall_s": wall, "errors": sorted({r["error"] for r in results.values() if "error" in r})[:5]}
 
 
+class DirectBatch:
+    """mlx-lm's BatchGenerator driven in this process, one sampler shared by every row: the engine's ceiling."""
+
+    name = "direct"
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+
+    def round(self, workload: str, n: int, max_tokens: int, temperature: float) -> dict:
+        """N sequences inserted at once, decoded to max_tokens each; the same figures as a server's round."""
+        import mlx.core as mx
+        from mlx_lm.generate import BatchGenerator
+
+        prompts = [self.tokenizer.apply_chat_template(messages(i), add_generation_prompt=True) for i in range(n)]
+        # Every row decodes in one batch and prefills in one: nothing of the engine waits its turn.
+        generator = BatchGenerator(self.model, max_tokens=max_tokens, sampler=shared_sampler(workload, temperature),
+                                   completion_batch_size=n, prefill_batch_size=n)
+        try:
+            started = time.perf_counter()
+            results = self._decode(generator, generator.insert(prompts, [max_tokens] * n), started)
+        finally:
+            generator.close()
+            del generator
+            mx.clear_cache()  # its KV caches go back before a server's round
+        return figures(n, started, results)
+
+    @staticmethod
+    def _decode(generator, uids: list[int], started: float) -> dict[int, dict]:
+        """Step the generator until every sequence has finished; each one's result, as one_stream records it."""
+        first: dict[int, float] = {}
+        tokens = dict.fromkeys(uids, 0)
+        results: dict[int, dict] = {}
+        step = getattr(generator, "next_generated", generator.next)  # an older mlx-lm's next() gives the tokens
+        while len(results) < len(uids):
+            responses = step()
+            if not responses:
+                raise RuntimeError(f"the generator stopped with {len(uids) - len(results)} sequences unfinished")
+            now = time.perf_counter()
+            for r in responses:
+                first.setdefault(r.uid, now)
+                tokens[r.uid] += 1
+                if r.finish_reason is not None:
+                    results[r.uid] = {"ok": True, "ttft": first[r.uid] - started, "tokens": tokens[r.uid], "end": now,
+                                      "decode_tps": (tokens[r.uid] - 1) / (now - first[r.uid])
+                                      if tokens[r.uid] > 1 and now > first[r.uid] else None}
+        return results
+
+
+def shared_sampler(workload: str, temperature: float):
+    """The one sampler of the direct engine's rows: greedy (mlx-lm's default), the workload's temperature,
+    or for mixed temperature 0.7 with top_p 0.9."""
+    from mlx_lm.sample_utils import make_sampler
+
+    if workload == "greedy":
+        return None
+    return make_sampler(temp=temperature) if workload == "sampled" else make_sampler(temp=0.7, top_p=0.9)
+
+
+def run_round(contestant, workload: str, n: int, max_tokens: int, temperature: float) -> dict:
+    """One round of a workload on a server (over HTTP) or on the direct engine."""
+    if isinstance(contestant, DirectBatch):
+        return contestant.round(workload, n, max_tokens, temperature)
+    return round_of(contestant, workload, n, max_tokens, temperature)
+
+
 def combine(runs: list[dict]) -> dict:
-    """Several rounds of one N on one server: each figure's median, failures summed, every round kept."""
-    figures = ("per_stream_decode_tps_p50", "aggregate_tps", "ttft_p50_s", "ttft_p99_s", "wall_s")
+    """Several rounds of one N on one contestant: each figure's median, failures summed, every round kept."""
+    keys = ("per_stream_decode_tps_p50", "aggregate_tps", "ttft_p50_s", "ttft_p99_s", "wall_s")
     out = {"n": runs[0]["n"], "rounds": len(runs), "completed": sum(r["completed"] for r in runs),
            "failed": sum(r["failed"] for r in runs),
            "errors": sorted({e for r in runs for e in r["errors"]})[:5]}
-    for key in figures:
+    for key in keys:
         values = [r[key] for r in runs if r[key] is not None]
         out[key] = statistics.median(values) if values else None
     out["each_round"] = [{k: r[k] for k in ("aggregate_tps", "ttft_p50_s", "failed")} for r in runs]
     return out
 
 
-def main() -> None:
-    """Start both servers, run every N against each, print the report."""
+def ratios(results: dict) -> dict:
+    """Issue 31's ratios of aggregate tokens/s per workload and N: mlxq ÷ mlxq greedy, ÷ mlx_lm.server, ÷ direct."""
+    def tps(workload: str, name: str, n: str) -> float | None:
+        return results.get(workload, {}).get(name, {}).get(n, {}).get("aggregate_tps")
+
+    out: dict[str, dict] = {}
+    for workload, contestants in results.items():
+        for n in contestants.get("mlxq", {}):
+            mine = tps(workload, "mlxq", n)
+            row = {f"mlxq_vs_{other}": mine / theirs if mine and theirs else None
+                   for other, theirs in (("mlxq_greedy", tps("greedy", "mlxq", n)),
+                                         ("mlx_lm_server", tps(workload, "mlx_lm_server", n)),
+                                         ("direct", tps(workload, "direct", n)))}
+            if workload == "greedy":
+                del row["mlxq_vs_mlxq_greedy"]
+            out.setdefault(workload, {})[n] = row
+    return out
+
+
+def summary(report: dict) -> str:
+    """The report as a table: per workload and N each contestant's tok/s, TTFT and failures, then the ratios."""
+    def num(value, digits: int = 0) -> str:
+        return "-" if value is None else f"{value:.{digits}f}"
+
+    lines = [f"{'workload':9} {'N':>3} {'contestant':16} {'tok/s':>8} {'ttft p50':>9} {'ttft p99':>9} {'failed':>6}"
+             "  rounds' tok/s"]
+    for workload, contestants in report["results"].items():
+        for n in next(iter(contestants.values()), {}):
+            for name, by_n in contestants.items():
+                c = by_n[n]
+                lines.append(f"{workload:9} {n:>3} {name:16} {num(c['aggregate_tps']):>8} {num(c['ttft_p50_s'], 3):>9} "
+                             f"{num(c['ttft_p99_s'], 3):>9} {c['failed']:>6}  "
+                             f"{[round(x['aggregate_tps']) for x in c['each_round']]} {c['errors'][:1] or ''}")
+            ratios_n = report["ratios"].get(workload, {}).get(n, {})
+            lines.append(f"{'':9} {n:>3} mlxq ÷ " + ", ".join(f"{k.removeprefix('mlxq_vs_')} {num(v, 2)}"
+                                                            for k, v in ratios_n.items()))
+    if report.get("direct_decode_tps"):  # measured at N = 1 only
+        lines.append(f"direct single-stream decode {num(report['direct_decode_tps'], 1)} tok/s; "
+                     + ", ".join(f"{k} {v:.3f}" for k, v in report.items() if k.endswith("_vs_direct")))
+    lines.extend(f"note: {note}" for note in report.get("mlx_lm_server_notes", []))
+    return "\n".join(lines)
+
+
+def measure(contestants: list, workloads: list[str], counts: list[int], args, single: Direct) -> tuple[dict, list]:
+    """Every N, workload and contestant: a warm-up round each, then the rounds; results and N = 1 direct decodes."""
+    results: dict[str, dict] = {w: {} for w in workloads}
+    single_runs = []
+    for n in counts:
+        for workload in workloads:
+            for c in contestants:
+                run_round(c, workload, n, 16, args.temperature)  # this N's batch shapes, compiled before they are timed
+        rounds = {(w, c.name): [] for w in workloads for c in contestants}
+        for r in range(args.rounds):
+            if n == 1:
+                single_runs.append(single.decode(args.max_tokens))
+            for workload in workloads[r % len(workloads):] + workloads[:r % len(workloads)]:  # rotating orders
+                for c in contestants[r % len(contestants):] + contestants[:r % len(contestants)]:
+                    rounds[workload, c.name].append(run_round(c, workload, n, args.max_tokens, args.temperature))
+        for (workload, name), runs in rounds.items():
+            results[workload].setdefault(name, {})[str(n)] = combine(runs)
+    return results, single_runs
+
+
+def parse_args() -> argparse.Namespace:
+    """The command line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--n", default="1,8,32,64")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="any of greedy,sampled,mixed")
+    parser.add_argument("--temperature", type=float, default=0.7, help="the sampled workload's temperature")
+    parser.add_argument("--direct", action=argparse.BooleanOptionalAction, default=True,
+                        help="mlx-lm's BatchGenerator in this process, one shared sampler (the engine's ceiling)")
     parser.add_argument("--control", action="store_true", help="a second mlx_lm.server, as a control")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    unknown = set(args.workloads.split(",")) - set(WORKLOADS)
+    if unknown:
+        parser.error(f"--workloads: unknown {', '.join(sorted(unknown))} (choose from {', '.join(WORKLOADS)})")
+    return args
+
+
+def main() -> None:
+    """Start both servers, run every N and workload against each contestant, print the report."""
+    args = parse_args()
     reexec_with_worker_blas()
     counts = [int(n) for n in args.n.split(",")]
+    workloads = args.workloads.split(",")
     report = {"machine": platform.node(), "platform": platform.platform(), "date": time.strftime("%Y-%m-%d %H:%M"),
-              "model": str(args.model), "max_tokens": args.max_tokens, "command": " ".join(sys.argv)}
+              "model": str(args.model), "max_tokens": args.max_tokens, "temperature": args.temperature,
+              "workloads": workloads, "mix": [sampling_fields("mixed", i, args.temperature) for i in range(len(MIX))],
+              "direct_sampler": {"greedy": "greedy", "sampled": f"temperature {args.temperature}",
+                                 "mixed": "temperature 0.7, top_p 0.9"} if args.direct else None,
+              "mlx_lm_server_notes": MLX_LM_SERVER_NOTES, "command": " ".join(sys.argv)}
     redis_url, redis_proc = start_redis()
     servers = []
     try:
         model_dir = same_weights_everywhere(args.model)
-        direct = Direct(model_dir)
-        direct.decode(16)  # warm-up
-        direct_runs = []
+        single = Direct(model_dir)
+        single.decode(16)  # warm-up
         servers = [start_mlxq(model_dir, redis_url), start_mlx_lm_server(model_dir)]
         if args.control:
             servers.append(start_mlx_lm_server(model_dir, "mlx_lm_server_2"))
-        for n in counts:
-            for server in servers:
-                round_of(server, n, 16)  # this N's batch shapes, compiled before they are timed
-            rounds: dict[str, list] = {server.name: [] for server in servers}
-            for r in range(args.rounds):
-                if n == 1:
-                    direct_runs.append(direct.decode(args.max_tokens))
-                for server in servers[r % len(servers):] + servers[:r % len(servers)]:  # rotating order
-                    rounds[server.name].append(round_of(server, n, args.max_tokens))
-            for name, runs in rounds.items():
-                report.setdefault(name, {})[str(n)] = combine(runs)
-        report["direct_decode_tps"] = statistics.median(direct_runs) if direct_runs else None
+        contestants = servers + ([DirectBatch(single.model, single.tokenizer)] if args.direct else [])
+        report["results"], single_runs = measure(contestants, workloads, counts, args, single)
     finally:
         for server in servers:
             server.close()
         redis_proc.stop()
+    report["ratios"] = ratios(report["results"])
+    report["direct_decode_tps"] = statistics.median(single_runs) if single_runs else None
+    greedy = report["results"].get("greedy", {})  # the single-stream decode is greedy
     for name in ("mlxq", "mlx_lm_server", "mlx_lm_server_2"):
-        single = report.get(name, {}).get("1", {}).get("per_stream_decode_tps_p50")
-        if single and report.get("direct_decode_tps"):
-            report[f"{name}_single_stream_decode_vs_direct"] = single / report["direct_decode_tps"]
+        one = greedy.get(name, {}).get("1", {}).get("per_stream_decode_tps_p50")
+        if one and report.get("direct_decode_tps"):
+            report[f"{name}_single_stream_decode_vs_direct"] = one / report["direct_decode_tps"]
     write_report(report, args.out)
 
 

@@ -8,12 +8,5 @@ trap 'cp /tmp/mlxq-bench-*.log "$out"/ 2>/dev/null || true' EXIT  # the servers'
 "${PYTHON:-python3}" bench/make_random_model.py --config-dir "$cfg" --out /tmp/m1b --dtype bfloat16 \
     --hidden 2048 --layers 16 --heads 32 --kv-heads 8 --intermediate 8192 >/dev/null
 "${PYTHON:-python3}" bench/bench_concurrency.py --model /tmp/m1b --out "$out/concurrency-m1b.json" "$@" > /dev/null
-"${PYTHON:-python3}" -c "
-import json, sys
-r = json.load(open(sys.argv[1]))
-for name in ('mlxq', 'mlx_lm_server'):
-    for n, c in r[name].items():
-        print(name, n, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in c.items() if k not in ('errors', 'each_round')},
-              'rounds (tok/s, ttft):', [(round(x['aggregate_tps']), round(x['ttft_p50_s'] or -1, 3)) for x in c['each_round']], c['errors'][:1])
-print('direct decode', round(r['direct_decode_tps'], 1), 'single-stream ratios',
-      {k: round(v, 3) for k, v in r.items() if k.endswith('_vs_direct')})" "$out/concurrency-m1b.json"
+"${PYTHON:-python3}" -c "import json, sys; from bench.bench_concurrency import summary; print(summary(json.load(open(sys.argv[1]))))" \
+    "$out/concurrency-m1b.json"
