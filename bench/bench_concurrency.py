@@ -73,12 +73,16 @@ def messages(index: int) -> list[dict]:
                                         f"{TOPICS[index % len(TOPICS)]}, number {index}."}]
 
 
+SAMPLED_TOP_P = 1.0
+"""The sampled workload's top_p (`--top-p`; 1: none)."""
+
+
 def sampling_fields(workload: str, index: int, temperature: float) -> dict:
     """The sampling fields of request `index` in a workload (the same for mlxq and mlx_lm.server)."""
     if workload == "greedy":
         return {"temperature": 0}
     if workload == "sampled":
-        return {"temperature": temperature}
+        return {"temperature": temperature, **({"top_p": SAMPLED_TOP_P} if SAMPLED_TOP_P < 1 else {})}
     fields = dict(MIX[index % len(MIX)])
     if "seed" in fields:
         fields["seed"] = index
@@ -196,7 +200,9 @@ def shared_sampler(workload: str, temperature: float):
 
     if workload == "greedy":
         return None
-    return make_sampler(temp=temperature) if workload == "sampled" else make_sampler(temp=0.7, top_p=0.9)
+    if workload == "sampled":
+        return make_sampler(temp=temperature, top_p=SAMPLED_TOP_P if SAMPLED_TOP_P < 1 else 0.0)
+    return make_sampler(temp=0.7, top_p=0.9)
 
 
 def run_round(contestant, workload: str, n: int, max_tokens: int, temperature: float) -> dict:
@@ -291,11 +297,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="any of greedy,sampled,mixed")
     parser.add_argument("--temperature", type=float, default=0.7, help="the sampled workload's temperature")
+    parser.add_argument("--top-p", type=float, default=1.0, help="the sampled workload's top_p (1: none)")
     parser.add_argument("--direct", action=argparse.BooleanOptionalAction, default=True,
                         help="mlx-lm's BatchGenerator in this process, one shared sampler (the engine's ceiling)")
     parser.add_argument("--control", action="store_true", help="a second mlx_lm.server, as a control")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    global SAMPLED_TOP_P
+    SAMPLED_TOP_P = args.top_p
     unknown = set(args.workloads.split(",")) - set(WORKLOADS)
     if unknown:
         parser.error(f"--workloads: unknown {', '.join(sorted(unknown))} (choose from {', '.join(WORKLOADS)})")
