@@ -1,6 +1,6 @@
 """What the batched sampler's parts cost per decode step, on random logits of a model's vocabulary size.
 
-Each part is timed on its own (evaluated, synchronized, median of many steps) for B rows: the noise,
+Each part is timed on its own (evaluated, synchronized, median of many steps) for B rows: the uniforms,
 the draw, the filters' sort, the penalties' bookkeeping, and the whole `process` + `sample` for the
 greedy, sampled and mixed spreads of bench/bench_decode.py.
 
@@ -75,10 +75,10 @@ def step_parts(b: int, v: int) -> dict:
     top_p, top_k, min_p = mx.full((b,), 0.9), mx.full((b,), 40, mx.int32), mx.zeros((b,))
     parts = {
         "logsumexp": lambda: logits - mx.logsumexp(logits, axis=-1, keepdims=True),
-        "noise": lambda: sampling.noise(seeds, seeds, seeds, v),
+        "uniform": lambda: sampling.uniform(seeds, seeds, seeds),
         "argmax": lambda: mx.argmax(logprobs, axis=-1),
         "sort_all_rows": lambda: mx.sort(logprobs, axis=-1),
-        "thresholds_all_rows": lambda: sampling.thresholds(logprobs, top_p, top_k, min_p),
+        "thresholds_all_rows": lambda: sampling.thresholds(logprobs, top_p, top_k, min_p, sampling.CANDIDATES),
         "topk1024_sort": lambda: mx.sort(mx.topk(logprobs, 1024, axis=-1), axis=-1),
         "bisect_top_p_24": lambda: bisect(logprobs, top_p),
         "bisect_top_p_24_compiled": lambda: bisect_compiled(logprobs, top_p),

@@ -128,3 +128,10 @@ def test_grammar_masks_apply_to_their_rows_only():
     out = sampling.masked(mx.zeros((2, 4)), [1], words)
     assert out[0].tolist() == [0.0] * 4
     assert [math.isinf(v) for v in out[1].tolist()] == [True, True, False, True]
+
+
+def test_top_p_chooses_among_the_candidates_only_and_top_k_widens_them(monkeypatch):
+    monkeypatch.setattr(sampling, "CANDIDATES", 2)  # as 1024 of a real vocabulary
+    assert set(draws(Row(temperature=1.0, top_p=0.7, seed=8), PROBS, 300)) == {0, 1}
+    assert set(draws(Row(temperature=1.0, top_p=0.95, seed=9), PROBS, 300)) == {0, 1}  # the nucleus is cut there
+    assert set(draws(Row(temperature=1.0, top_k=3, seed=10), PROBS, 300)) == {0, 1, 2}
