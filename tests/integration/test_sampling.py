@@ -7,6 +7,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from transformers import AutoTokenizer
 
+from tests.integration.test_vision import DEMO_VLM, HELD_OUT_SEED, QUESTION, data_url, image_part, png_bytes
+from workers.demo import shapes
+
 MODEL = "smollm2-135m"
 ASK = [{"role": "user", "content": "What is the capital of France?"}]
 REPEAT = [{"role": "user", "content": "Write the word hello twenty times."}]
@@ -53,3 +56,21 @@ def test_a_presence_penalty_lowers_repetition_on_the_same_seed(openai_client):
     assert penalized < plain, (penalized, plain)
     assert repeats(openai_client, frequency_penalty=2.0) < plain
     assert repeats(openai_client) == plain  # the same seed, the same answer: the difference is the penalty's
+
+
+def test_the_vision_path_honours_them_too(openai_client, models_dir):
+    # A chat with an image decodes on mlx-vlm's own loop, with mlxq's sampler and processors.
+    picture = shapes.samples(HELD_OUT_SEED, 1)[0]
+    content = [image_part(data_url(png_bytes(picture.image))), {"type": "text", "text": QUESTION}]
+
+    def first(**kwargs) -> str:
+        choice = openai_client.chat.completions.create(
+            model=DEMO_VLM, messages=[{"role": "user", "content": content}], max_tokens=2, temperature=0,
+            logprobs=True, **kwargs).choices[0]
+        return choice.logprobs.content[0].token
+
+    greedy = first()
+    tokenizer = AutoTokenizer.from_pretrained(models_dir / DEMO_VLM)
+    [banned] = tokenizer.encode(greedy, add_special_tokens=False)
+    assert first(logit_bias={str(banned): -100}) != greedy
+    assert first(presence_penalty=2.0) == greedy  # nothing repeated yet at the first token: no change

@@ -135,3 +135,9 @@ def test_top_p_chooses_among_the_candidates_only_and_top_k_widens_them(monkeypat
     assert set(draws(Row(temperature=1.0, top_p=0.7, seed=8), PROBS, 300)) == {0, 1}
     assert set(draws(Row(temperature=1.0, top_p=0.95, seed=9), PROBS, 300)) == {0, 1}  # the nucleus is cut there
     assert set(draws(Row(temperature=1.0, top_k=3, seed=10), PROBS, 300)) == {0, 1, 2}
+
+
+def test_a_mask_narrower_than_the_output_disallows_the_rest():
+    words = np.full((1, 1), 0xFFFFFFFF, np.uint32)  # a grammar over 32 tokens, all allowed
+    out = sampling.masked(mx.zeros((1, 40)), [0], words)
+    assert [math.isinf(v) for v in out[0].tolist()] == [False] * 32 + [True] * 8

@@ -249,7 +249,10 @@ def penalties(logits: mx.array, counts: mx.array, presence: mx.array, frequency:
 def masked(logits: mx.array, rows: list[int], words: np.ndarray) -> mx.array:
     """Disallow, in the given rows, the tokens whose bit is 0 in their packed masks (32 tokens a word)."""
     bits = (mx.array(words.view(np.uint32))[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1
-    allowed = bits.reshape(len(rows), -1)[:, : logits.shape[-1]].astype(mx.bool_)
+    width = logits.shape[-1]
+    allowed = bits.reshape(len(rows), -1)[:, :width].astype(mx.bool_)
+    if allowed.shape[-1] < width:  # an output wider than the tokenizer's vocabulary: those tokens never
+        allowed = mx.concatenate([allowed, mx.zeros((len(rows), width - allowed.shape[-1]), mx.bool_)], axis=1)
     index = mx.array(rows, mx.int32)
     logits = mx.array(logits)
     logits[index] = mx.where(allowed, logits[index], -mx.inf)
@@ -315,16 +318,17 @@ class Processor:
     bias, penalties and grammar of a batch row, for the paths that decode with mlx-lm's or mlx-vlm's own
     loop. `tokens` is the prompt and the answer so far; the first call's are the prompt."""
 
-    def __init__(self, row: Row, vocab_size: int):
-        self.rows = BatchSampler(vocab_size)
+    def __init__(self, row: Row):
+        self.rows: BatchSampler | None = None
         self.row = row
         self.prompt: int | None = None
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         """Apply the row's bias, penalties and grammar to one sequence's logits."""
         tokens = tokens.reshape(-1)
-        if self.prompt is None:  # the first call: the prompt; its last token is the one fed now
-            self.prompt = tokens.size
+        if self.rows is None:  # the first call: the prompt; its last token is the one fed now
+            # Sized by the logits: a vision model's output may be wider than its text config says.
+            self.rows, self.prompt = BatchSampler(logits.shape[-1]), tokens.size
             self.rows.extend([self.row], [tokens[:-1].tolist()])
         generated = tokens.size > self.prompt
         return self.rows.process(logits, tokens[-1:], [generated])
@@ -337,7 +341,7 @@ def logits_processors(sampling: Sampling, tokenizer=None, vocab_size: int = 0, g
     a matcher compiled beforehand, `strict` whether its failure raises."""
     row = row_for(sampling, vocab_size, grammar=make_grammar(sampling, tokenizer, vocab_size, grammar, strict))
     needed = row.grammar is not None or row.logit_bias or row.penalized or row.repetition_penalty != 1.0
-    return [Processor(row, vocab_size)] if needed else []
+    return [Processor(row)] if needed else []
 
 
 def make_grammar(sampling: Sampling, tokenizer, vocab_size: int, grammar=None, strict: bool = True):
