@@ -84,11 +84,11 @@ class BatchSampler:
     def __init__(self, vocab_size: int):
         self.vocab = vocab_size
         self.rows: list[Row] = []
-        self.drawn: list[int] = []  # draws each row has made: the counter of its noise
+        self.drawn: list[int] = []  # draws each row has made: the counter of its uniforms
         self.counts: mx.array | None = None  # (B, V) occurrences in each row's answer, when a row has penalties
         self.recent: mx.array | None = None  # (B, REPETITION_CONTEXT) last tokens, when a row has a repetition penalty
         self.bias: mx.array | None = None  # (B, V) logit bias, when a row has one
-        self._settings: dict[str, mx.array] = {}
+        self._settings: dict = {}
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -99,20 +99,11 @@ class BatchSampler:
         self.rows += rows
         self.drawn += [0] * len(rows)
         if any(r.penalized for r in self.rows):
-            zeros = mx.zeros((len(rows), self.vocab), mx.float32)
-            self.counts = zeros if self.counts is None else mx.concatenate([self.counts, zeros])
-            if self.counts.shape[0] < len(self.rows):  # rows that were there before had none
-                self.counts = mx.concatenate([mx.zeros((old, self.vocab), mx.float32), self.counts])
+            self.counts = _joined(self.counts, old, mx.zeros((len(rows), self.vocab), mx.float32))
         if any(r.repetition_penalty != 1.0 for r in self.rows):
-            fresh = mx.array([_window(c) for c in contexts], mx.int32)
-            self.recent = fresh if self.recent is None else mx.concatenate([self.recent, fresh])
-            if self.recent.shape[0] < len(self.rows):
-                self.recent = mx.concatenate([mx.zeros((old, REPETITION_CONTEXT), mx.int32), self.recent])
+            self.recent = _joined(self.recent, old, mx.array([_window(c) for c in contexts], mx.int32))
         if any(r.logit_bias for r in self.rows):
-            fresh = mx.stack([_bias_row(r.logit_bias, self.vocab) for r in rows])
-            self.bias = fresh if self.bias is None else mx.concatenate([self.bias, fresh])
-            if self.bias.shape[0] < len(self.rows):
-                self.bias = mx.concatenate([mx.zeros((old, self.vocab), mx.float32), self.bias])
+            self.bias = _joined(self.bias, old, mx.stack([_bias_row(r.logit_bias, self.vocab) for r in rows]))
         self._settings = {}
 
     def keep(self, indices: list[int]) -> None:
@@ -131,7 +122,7 @@ class BatchSampler:
             self.bias = None
         self._settings = {}
 
-    def _arrays(self) -> dict[str, mx.array]:
+    def _arrays(self) -> dict:
         """The rows' settings as device arrays (made again only when rows join or leave)."""
         if not self._settings:
             rows = self.rows
@@ -146,6 +137,7 @@ class BatchSampler:
                 "presence": mx.array([r.presence_penalty for r in rows], mx.float32),
                 "frequency": mx.array([r.frequency_penalty for r in rows], mx.float32),
                 "floor": mx.full((len(rows),), -mx.inf, mx.float32),  # no filters: every token
+                "any_sampled": any(sampled),
             }
             filtered = [i for i, r in enumerate(rows) if r.filtered]
             if filtered:
@@ -183,7 +175,7 @@ class BatchSampler:
         settings = self._arrays()
         drawn = mx.array(self.drawn, mx.uint32)
         self.drawn = [n + 1 for n in self.drawn]
-        if not any(r.temperature > 0 for r in self.rows):  # greedy only: no noise to make
+        if not settings["any_sampled"]:  # greedy only: nothing to draw
             return mx.argmax(logprobs, axis=-1).astype(mx.uint32)
         floor = settings["floor"]
         if "filtered" in settings:
@@ -193,6 +185,14 @@ class BatchSampler:
             floor = _scatter(len(self.rows), rows, kept)
         return draw(logprobs, settings["inverse"], settings["sampled"], settings["seed_lo"], settings["seed_hi"],
                     drawn, floor)
+
+
+def _joined(current: mx.array | None, old: int, fresh: mx.array) -> mx.array:
+    """The `old` rows' state, then the `fresh` rows'; zeros for the old rows when none of them had any
+    (a row without the setting is not changed by zeros)."""
+    if current is None:
+        current = mx.zeros((old, *fresh.shape[1:]), fresh.dtype)
+    return mx.concatenate([current, fresh])
 
 
 def _scatter(n: int, rows: mx.array, values: mx.array) -> mx.array:
