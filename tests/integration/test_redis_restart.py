@@ -1,60 +1,110 @@
 """Redis restarts under the real service, with Redis run as `mlxq up` runs it (an append-only file).
 
-Nothing accepted is lost: jobs queued when Redis goes down are all there and done once it is back;
-a transcription running through the restart completes, with the same text as an uninterrupted run.
-The worker rides it out (it used to exit on the first Redis error). A stream open through a short
-restart gets every chunk and its [DONE] (it used to be cut); one started while Redis is away is a 503.
+Nothing accepted is lost: jobs queued when Redis goes down (a clean shutdown, then a kill -9) are all
+there and done once it is back; a transcription running through the restart completes, with the same
+text as an uninterrupted run. The worker rides it out (it used to exit on the first Redis error). A
+stream open through a short restart gets every chunk and its [DONE] (it used to be cut); one started
+while Redis is away is a 503.
+
+Each outage lasts until the worker has run into it (every thread of it asleep between retries), then
+Redis comes back: as long as the property needs, on a busy machine as on an idle one. How long an outage
+the worker's retries cover (about a minute) is tests/workers/test_scheduler_outage.py's to check.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import time
+import wave
+from pathlib import Path
 
 import httpx
 import pytest
 import redis
 
+from jobs import keys, workers
 from jobs.events import read_log
+from jobs.queues import fetch_job
 from tests.conftest import REPO, RedisServer, wait_until
-from tests.integration.conftest import Service
+from tests.integration.conftest import Proc, Service
 from tests.long_audio import build
 
 MODEL = "whisper-tiny.en"
 CLIP = REPO / "tests" / "fixtures" / "speech" / "garden.wav"
-OUTAGE_S = 10
-"""How long Redis stays away: past redis-py's own retries (about 7 s: 1 + 2 + 4 s of backoff), well within the
-worker's (about 70 s, jobs/connection.py)."""
+ASLEEP_S = 0.5
+"""How long every thread of the worker must sleep to count as waiting for Redis (a decoding worker
+always has a thread running or waiting for a CPU)."""
 
-BLIP_S = 1.5
-"""A short outage (a quick restart), which a stream must ride out."""
+MARKER = "mlxq-test-aof-marker"
+"""A key written after the jobs: once the append-only file holds it, it holds them (one writer, in order)."""
 
 
 @pytest.fixture(scope="module")
 def durable_service(models_dir):
-    """A durable Redis of its own and the service on it, shared by this module's tests; both go at the end."""
+    """A durable Redis of its own and the service on it, shared by this module's tests; both go at the end.
+
+    The web tier starts here, the worker when a test first needs it: the first test wants jobs queued
+    with no worker, so the module pays for one worker start, not two.
+    """
     server = RedisServer(durable=True).start()
-    service = Service(server.url, models_dir).start()
+    service = Service(server.url, models_dir)
+    service.web.start()
     yield server, service
     service.stop()
     server.stop()
 
 
+def _web_up(service: Service) -> None:
+    """Wait until the web tier answers /health."""
+    def up() -> bool:
+        if not service.web.alive():
+            raise AssertionError(f"the web tier died:\n{service.web.tail()}")
+        try:
+            return httpx.get(service.base_url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+    wait_until(up, 60, interval=0.1, what="the web tier")
+
+
+@pytest.fixture()
+def no_worker(durable_service):
+    """The module's Redis and web tier up, no worker: queued jobs stay queued."""
+    server, service = durable_service
+    if server.process.poll() is not None:  # a test that failed halfway may have left it down
+        server.start()
+    service.worker.stop()
+    _web_up(service)
+    return server, service
+
+
 @pytest.fixture()
 def durable(durable_service):
-    """The module's Redis and service, both up (a test that failed halfway may have left either down)."""
+    """The module's Redis and whole service, up, the worker beating again since the last outage."""
     server, service = durable_service
     if server.process.poll() is not None:
         server.start()
     if not service.worker.alive():
         service.worker.start()
     service.wait_ready()
+    _wait_beat(redis.Redis.from_url(server.url), service.worker)
     return server, service
 
 
-def _transcribe_async(api: httpx.Client, path) -> str:
-    with open(path, "rb") as f:
-        response = api.post("/v1/jobs/transcriptions", data={"model": MODEL}, files={"file": (path.name, f)})
+def _wait_beat(conn: redis.Redis, worker: Proc) -> None:
+    """Wait until the worker's heartbeat next sets its liveness key.
+
+    Right after an outage the heartbeat thread may still be between two retries (up to 2 s apart), its key
+    near its expiry: a second outage then outlasts the key, and a reader that follows a job finds the live
+    worker dead in the moment between Redis's return and the next beat. Each test starts from a fresh beat.
+    """
+    key = keys.worker_alive(next(s["name"] for s in workers.states(conn) if s["pid"] == worker.process.pid))
+    before = conn.pttl(key)
+    wait_until(lambda: conn.pttl(key) > before, 30, interval=0.05, what="the worker's next heartbeat")
+
+
+def _transcribe_async(api: httpx.Client, name: str, content: bytes) -> str:
+    response = api.post("/v1/jobs/transcriptions", data={"model": MODEL}, files={"file": (name, content)})
     assert response.status_code == 202, response.text
     return response.json()["id"]
 
@@ -77,48 +127,108 @@ def _finished(api: httpx.Client, job_id: str, timeout: float = 300) -> dict:
             return None
         assert response.status_code == 200, response.text
         return response.json() if response.json()["status"] in ("succeeded", "failed", "canceled") else None
-    return wait_until(ended, timeout, interval=0.5, what=f"job {job_id} to end")
+    return wait_until(ended, timeout, interval=0.2, what=f"job {job_id} to end")
+
+
+def _asleep(pid: int) -> bool:
+    """Whether every thread of the process sleeps (state S): none runs, none waits for a CPU."""
+    states = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+        except (OSError, IndexError):  # a thread that just ended
+            continue
+    return bool(states) and all(state == "S" for state in states)
+
+
+def _wait_blocked_on_redis(worker: Proc, timeout: float = 120) -> None:
+    """Wait until the worker, with work in progress and Redis away, has run into the outage: all its
+    threads asleep for ASLEEP_S (its scheduler between two retries of a Redis command)."""
+    since: list[float] = []
+
+    def blocked() -> bool:
+        if not worker.alive():
+            raise AssertionError(f"the worker exited during the outage:\n{worker.tail()}")
+        if not _asleep(worker.process.pid):
+            since.clear()
+            return False
+        since[:] = since or [time.monotonic()]
+        return time.monotonic() - since[0] >= ASLEEP_S
+    wait_until(blocked, timeout, interval=0.02, what="the worker to wait for Redis")
+
+
+def _ended_after(conn: redis.Redis, job_id: str, moment: float) -> bool:
+    """Whether the worker ended the job after `moment` (a time.time()): it ran through what happened then."""
+    return fetch_job(conn, job_id).ended_at.timestamp() > moment
+
+
+def _clip(path: Path, seconds: float) -> bytes:
+    """The first `seconds` of a WAV fixture, as WAV bytes."""
+    out = io.BytesIO()
+    with wave.open(str(path)) as src, wave.open(out, "wb") as dst:
+        dst.setparams(src.getparams())
+        dst.writeframes(src.readframes(int(seconds * src.getframerate())))
+    return out.getvalue()
+
+
+def _in_append_only_file(server: RedisServer, needle: str) -> bool:
+    """Whether Redis has written `needle` to its append-only files (what a kill -9 of it keeps)."""
+    return any(needle.encode() in path.read_bytes() for path in Path(server.dir).rglob("*") if path.is_file())
+
+
+@pytest.mark.timeout(600)
+def test_jobs_queued_before_a_clean_restart_and_a_kill_9_are_all_done_after_them(no_worker):
+    server, service = no_worker
+    # What is kept is the queue, whatever the jobs hold: a 4 s recording is as good as a long one.
+    clip = _clip(CLIP, 4)
+    with httpx.Client(base_url=service.base_url, timeout=60) as api:
+        def queue_some() -> list[str]:
+            return [_transcribe_async(api, CLIP.name, clip)] + [_chat_async(api) for _ in range(2)]
+
+        before_shutdown = queue_some()
+        server.halt()  # a clean shutdown, as a restart does
+        server.start()
+        before_kill = queue_some()
+        client = redis.Redis.from_url(server.url)
+        client.set(MARKER, 1)
+        # appendfsync everysec acknowledges a write before it reaches the file (by up to 2 s when a sync
+        # lags); what a kill -9 of the process keeps is what the file holds.
+        wait_until(lambda: _in_append_only_file(server, MARKER), 30, interval=0.05,
+                   what="the append-only file to hold the jobs")
+        client.close()
+        server.halt(kill=True)
+        server.start()
+        service.worker.start()
+        for job_id in before_shutdown + before_kill:
+            assert _finished(api, job_id)["status"] == "succeeded"
 
 
 @pytest.mark.timeout(600)
 def test_a_restart_during_a_transcription_changes_nothing_in_its_result(durable):
     server, service = durable
-    audio = build(1)
+    audio = build(0.5).read_bytes()  # 31 s: two windows; Redis goes down between them
+    conn = redis.Redis.from_url(server.url)
     with httpx.Client(base_url=service.base_url, timeout=60) as api:
-        reference = _finished(api, _transcribe_async(api, audio))
-        assert reference["status"] == "succeeded"
-        job_id = _transcribe_async(api, audio)
-        wait_until(lambda: (api.get(f"/v1/jobs/{job_id}").json().get("progress") or {}).get("percent"), 120,
-                   interval=0.2, what="the transcription to be under way")
+        reference = _finished(api, _transcribe_async(api, "half-minute.wav", audio))
+        assert reference["status"] == "succeeded", reference
+        job_id = _transcribe_async(api, "half-minute.wav", audio)
+        wait_until(lambda: any(e["type"] == "segment" for e in read_log(conn, job_id)), 120, interval=0.02,
+                   what="the first window's segments")
+        halted_at = time.time()
         server.halt()  # a clean shutdown, as a restart does
-        time.sleep(OUTAGE_S)
+        _wait_blocked_on_redis(service.worker)
         server.start()
         record = _finished(api, job_id)
-        assert service.worker.alive(), service.worker.tail()
-        assert record["status"] == "succeeded", record
-        assert record["result"]["text"] == reference["result"]["text"]
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("kill", [False, True], ids=["shutdown", "kill-9"])
-def test_jobs_queued_before_a_restart_are_all_done_after_it(durable, kill):
-    server, service = durable
-    service.worker.stop()  # nothing drains the queue: the jobs wait in Redis
-    with httpx.Client(base_url=service.base_url, timeout=60) as api:
-        # What is kept is the queue, whatever the jobs hold: a 15 s recording is as good as a long one.
-        job_ids = [_transcribe_async(api, CLIP) for _ in range(2)] + [_chat_async(api) for _ in range(5)]
-        time.sleep(1.5)  # the append-only file is synced every second
-        server.halt(kill=kill)
-        server.start()
-        service.worker.start()
-        for job_id in job_ids:
-            assert _finished(api, job_id)["status"] == "succeeded"
+    assert service.worker.alive(), service.worker.tail()
+    assert record["status"] == "succeeded", record
+    assert _ended_after(conn, job_id, halted_at), "the job ended before the restart: it proves nothing"
+    assert record["result"]["text"] == reference["result"]["text"]
 
 
 @pytest.mark.timeout(300)
 def test_a_stream_rides_out_a_short_restart_and_one_started_meanwhile_is_a_503(durable):
     server, service = durable
-    body = {"model": "smollm2-135m", "max_tokens": 80, "temperature": 0, "stream": True,
+    body = {"model": "smollm2-135m", "max_tokens": 40, "temperature": 0, "stream": True,
             "messages": [{"role": "user", "content": "Write a very long story about a dragon who bakes bread."}]}
     with httpx.Client(base_url=service.base_url, timeout=60) as api:
         with api.stream("POST", "/v1/chat/completions", json=body) as response:
@@ -129,9 +239,10 @@ def test_a_stream_rides_out_a_short_restart_and_one_started_meanwhile_is_a_503(d
                 line = next(lines)
                 if line.startswith("data: "):
                     data.append(line[6:])
+            halted_at = time.time()
             server.halt()  # a clean shutdown, as a restart does
             refused = api.post("/v1/chat/completions", json=body)
-            time.sleep(BLIP_S)  # the outage itself: the stream must carry on through it
+            _wait_blocked_on_redis(service.worker)  # the outage itself: the stream must carry on through it
             server.start()
             data += [line[6:] for line in lines if line.startswith("data: ")]
     assert refused.status_code == 503 and refused.headers["Retry-After"], refused.text
@@ -140,8 +251,10 @@ def test_a_stream_rides_out_a_short_restart_and_one_started_meanwhile_is_a_503(d
     chunks = [json.loads(d) for d in data[:-1]]
     assert not [c for c in chunks if "error" in c], chunks[-1]
     assert chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
-    # Every chunk arrived, in order: the text is all the worker generated.
+    conn = redis.Redis.from_url(server.url)
+    assert _ended_after(conn, chunks[0]["id"], halted_at), "the stream ended before the restart: it proves nothing"
+    # Every chunk arrived, in order: the text is all the worker generated, to its last token.
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
-    logged = read_log(redis.Redis.from_url(server.url), chunks[0]["id"])
+    logged = read_log(conn, chunks[0]["id"])
     assert text == "".join(e["data"]["text"] for e in logged if e["type"] == "delta")
-    assert len(text.split()) > 20
+    assert len(text.split()) > 10
