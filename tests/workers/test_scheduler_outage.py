@@ -1,6 +1,8 @@
-"""The scheduler through a Redis outage longer than its client's retries, against a real redis-server
-restarted from its append-only file: it waits Redis out, then hands a transcription back from its
-checkpoint (jobs.lifecycle.continue_job), and the continuation ends it with the uninterrupted text."""
+"""The worker through Redis outages. Its client retries each command for about a minute, so a restart is
+ridden out inside the command (end to end: tests/integration/test_redis_restart.py). Past that, the
+scheduler, against a real redis-server restarted from its append-only file, waits Redis out, then hands
+a transcription back from its checkpoint (jobs.lifecycle.continue_job), and the continuation ends it with
+the uninterrupted text."""
 
 from __future__ import annotations
 
@@ -9,9 +11,12 @@ import threading
 
 import pytest
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from rq.job import JobStatus
 
 from jobs import records
+from jobs.connection import PATIENT_RETRIES, get_redis, reset_clients
 from jobs.queues import fetch_job
 from tests.conftest import RedisServer, wait_until
 from tests.workers.test_speech import (  # noqa: F401  (fixtures)
@@ -26,6 +31,23 @@ from tests.workers.test_speech import (  # noqa: F401  (fixtures)
 )
 
 
+def test_the_workers_client_retries_a_command_for_about_a_minute(redis_url, monkeypatch):
+    # The retry policy's waits, added up without being slept: a restart of Redis that takes many seconds (a
+    # big append-only file to load) is ridden out, where redis-py's own default gives up within seconds.
+    waits: list[float] = []
+    monkeypatch.setattr("redis.retry.sleep", waits.append)
+
+    def down():
+        raise redis.ConnectionError("Redis is away")
+
+    try:
+        with pytest.raises(redis.ConnectionError):
+            get_redis(redis_url, patient=True).get_retry().call_with_retry(down, lambda error: None)
+    finally:
+        reset_clients()
+    assert len(waits) == PATIENT_RETRIES and 60 <= sum(waits) <= 120, sum(waits)
+
+
 @pytest.fixture()
 def server():
     """A durable Redis of its own (a restart keeps the queues, records and checkpoints)."""
@@ -36,9 +58,9 @@ def server():
 
 def test_a_long_outage_is_waited_out_then_a_transcription_resumes_from_its_checkpoint(
         server, settings, ref, worker_parts, half_minute, half_minute_text, caplog):  # noqa: F811
-    # A client without the worker's patient retries: each command fails as soon as Redis is gone, as the
-    # worker's do once an outage outlasts their minute of retries.
-    conn = redis.Redis.from_url(server.url, socket_connect_timeout=1)
+    # A client without retries (redis-py's own default retries for seconds): each command fails as soon as
+    # Redis is gone, as the worker's do once an outage outlasts their minute of retries.
+    conn = redis.Redis.from_url(server.url, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0))
     settings = settings.with_overrides(redis_url=server.url)
     submit(conn, settings, ref, "job-outage", half_minute)
     run = scheduler(conn, settings, worker_parts)
