@@ -1,25 +1,49 @@
-"""Faults: a client leaving mid-stream, the worker killed mid-job, no worker at all, and the web tier's
-MLX-free imports."""
+"""Faults: a client leaving mid-stream, the worker killed mid-job (its calls fail, its transcription
+resumes), no worker at all, and the web tier's MLX-free imports."""
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
 import threading
 import time
+import wave
 
 import httpx
 import openai
 import pytest
 import redis
+from rq.job import JobStatus
 
-from jobs import keys
+from jobs import keys, workers
 from jobs.events import read_log
+from jobs.queues import INTERACTIVE, fetch_job, get_queue
+from jobs.settings import load_settings
 from tests.conftest import REPO, wait_until
+from tests.integration.test_transcription import submit_job
 
 MODEL = "smollm2-135m"
 LONG = [{"role": "user", "content": "Write a very long story about a dragon who learns to bake bread."}]
+BATCHED = {"chunking_strategy": "auto"}
+"""A transcription on the batched path (speech pieces found by voice activity detection, decoded in batches
+of two in the integration service: MLXQ_SPEECH_BATCH)."""
+SPEECH = REPO / "tests" / "fixtures" / "speech"
+
+
+def sparse_speech(seconds: float = 5, gap_s: float = 31) -> bytes:
+    """Three short utterances `gap_s` apart (WAV): three speech pieces, as no two fit one 30 s window, so two
+    batches with a checkpoint between them; little speech, so little to decode."""
+    out = io.BytesIO()
+    with wave.open(out, "wb") as dst:
+        dst.setnchannels(1), dst.setsampwidth(2), dst.setframerate(16000)
+        for i, name in enumerate(("garden", "numbers", "train_journey")):
+            if i:
+                dst.writeframes(b"\0\0" * int(gap_s * 16000))
+            with wave.open(str(SPEECH / f"{name}.wav")) as src:
+                dst.writeframes(src.readframes(int(seconds * src.getframerate())))
+    return out.getvalue()
 
 
 def _open_stream(service, max_tokens: int):
@@ -57,10 +81,39 @@ def test_client_disconnect_cancels_the_job(service):
     assert answer.status_code == 200
 
 
-def test_worker_killed_mid_call_ends_a_stream_and_a_sync_call_with_worker_died_within_15s(service):
-    # One kill -9 for both ways of waiting on a job (a stream and a synchronous call, decoding together
-    # in one batch): each restart of the worker costs the suite a model load.
+@pytest.fixture(scope="module")
+def sparse_text(service):
+    """The uninterrupted transcript of `sparse_speech()` on the batched path: what a resumed run must give."""
+    with httpx.Client(base_url=service.base_url, timeout=60) as api:
+        record = _job_finished(api, submit_job(api, "sparse.wav", content=sparse_speech(), **BATCHED))
+    assert record["status"] == "succeeded", record
+    return record["result"]["text"]
+
+
+def _job_finished(api: httpx.Client, job: dict, timeout: float = 300) -> dict:
+    """Wait for an async job's terminal status and return its record."""
+    def ended():
+        record = api.get(job["links"]["self"]).json()
+        return record if record["status"] in ("succeeded", "failed", "canceled") else None
+    return wait_until(ended, timeout, interval=0.2, what=f"job {job['id']} to finish")
+
+
+def _alive_key(conn: redis.Redis, pid: int) -> str:
+    """The liveness key of the worker running as `pid`."""
+    return keys.worker_alive(next(s["name"] for s in workers.states(conn) if s["pid"] == pid))
+
+
+@pytest.mark.timeout(600)
+def test_a_worker_killed_mid_work_fails_its_calls_within_15s_and_its_transcription_resumes(service, sparse_text):
+    # The one end-to-end kill -9 of the worker (each restart costs the suite a model load), in the middle of
+    # everything a kill can interrupt: a stream and a synchronous call decoding together in one batch, and
+    # an async transcription on the batched path between two batches of its windows (the only resume state
+    # otherwise never written to Redis by one process and read back by another). What each part does with
+    # a dead worker is tested in process too: tests/jobs/test_lifecycle.py (a reader fails a dead worker's
+    # call), tests/workers/test_worker_process.py (recovery fails it), tests/workers/test_speech*.py (resume).
     conn = redis.Redis.from_url(service.redis_url)
+    dead_after = load_settings().worker_dead_after_s  # the service's too: it has no override
+    api = httpx.Client(base_url=service.base_url, timeout=60)
     client, ctx, response = _open_stream(service, max_tokens=2000)
     sync: dict = {}
 
@@ -72,14 +125,27 @@ def test_worker_killed_mid_call_ends_a_stream_and_a_sync_call_with_worker_died_w
     caller = threading.Thread(target=sync_call)
     try:
         lines = response.iter_lines()
-        _first_chunks(lines, 2)
+        stream_id, _ = _first_chunks(lines, 2)
         before = set(conn.scan_iter(match=keys.event_log("chatcmpl-*")))
         caller.start()
         # The sync call's job logging its first event says the worker is generating it too.
-        wait_until(lambda: set(conn.scan_iter(match=keys.event_log("chatcmpl-*"))) - before, 60,
-                   what="the sync call's job to start")
+        [sync_log] = wait_until(lambda: set(conn.scan_iter(match=keys.event_log("chatcmpl-*"))) - before, 60,
+                                what="the sync call's job to start")
+        sync_id = sync_log.decode()[len(keys.event_log("")):]
+        # While the calls run, the heartbeat thread pushes their started-registry expiry forward.
+        registry = get_queue(INTERACTIVE, conn).started_job_registry
+        expiry = lambda: max(score for _, score in conn.zrange(registry.key, 0, -1, withscores=True))  # noqa: E731
+        first_expiry = expiry()
+        wait_until(lambda: expiry() > first_expiry, 30, interval=0.1, what="the running calls' RQ heartbeat")
+        job = submit_job(api, "sparse.wav", content=sparse_speech(), **BATCHED)
+        # Kill once the transcription's first batch of windows is checkpointed and published.
+        wait_until(lambda: ((api.get(job["links"]["self"]).json().get("progress") or {}).get("done_s") or 0) > 0,
+                   300, interval=0.1, what="the first batch of windows to be transcribed")
+        alive_key = _alive_key(conn, service.worker.process.pid)
         service.worker.kill9()
         killed_at = time.monotonic()
+        assert 0 < conn.pttl(alive_key) <= dead_after * 1000, "the liveness key must expire by itself"
+        assert api.get(job["links"]["self"]).json()["status"] == "running"
         error = None
         for line in lines:
             if line.startswith("data: {") and '"error"' in line:
@@ -96,6 +162,20 @@ def test_worker_killed_mid_call_ends_a_stream_and_a_sync_call_with_worker_died_w
     assert sync["response"].status_code == 500
     assert sync["response"].json()["error"]["code"] == "worker_died"
     assert sync["answered_at"] - killed_at < 15
+    wait_until(lambda: not conn.exists(alive_key), max(0.0, killed_at + dead_after + 0.5 - time.monotonic())
+               + 0.01, interval=0.05, what="the dead worker's liveness key to expire")
+
+    # The restarted worker retires the dead one's calls in RQ and resumes the transcription from its checkpoint.
+    for call_id in (stream_id, sync_id):
+        assert fetch_job(conn, call_id).get_status() == JobStatus.FAILED
+        assert call_id not in registry.get_job_ids(cleanup=False)
+    record = _job_finished(api, job)
+    api.close()
+    assert record["status"] == "succeeded", record
+    assert record["attempts"] >= 2, "the job should have been resumed by the restarted worker"
+    assert record["result"]["text"] == sparse_text
+    starts = [s["start"] for s in record["result"]["segments"]]
+    assert starts == sorted(starts), "timestamps must continue across the resume"
 
 
 NO_WORKER_S = 10
