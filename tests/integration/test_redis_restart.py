@@ -159,7 +159,9 @@ def _wait_blocked_on_redis(worker: Proc, timeout: float = 120) -> None:
 
 def _ended_after(conn: redis.Redis, job_id: str, moment: float) -> bool:
     """Whether the worker ended the job after `moment` (a time.time()): it ran through what happened then."""
-    return fetch_job(conn, job_id).ended_at.timestamp() > moment
+    # The worker ends the RQ job just after the terminal event is out (the answer first).
+    ended_at = wait_until(lambda: fetch_job(conn, job_id).ended_at, 30, what=f"RQ to record the end of {job_id}")
+    return ended_at.timestamp() > moment
 
 
 def _clip(path: Path, seconds: float) -> bytes:
