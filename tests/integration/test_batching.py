@@ -17,7 +17,7 @@ QUESTIONS = ["What is the capital of France?", "Name three colours.", "Why is th
 def _stream(openai_client, question: str) -> tuple[str, str]:
     """A greedy streamed chat: (its job id, its text as the chunks brought it)."""
     stream = openai_client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=32, temperature=0, stream=True)
+        model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=12, temperature=0, stream=True)
     job_id, parts = None, []
     for chunk in stream:
         job_id = chunk.id
