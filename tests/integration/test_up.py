@@ -1,6 +1,6 @@
 """`mlxq up` as an operator runs it: an embedded Redis when none is there, a worker killed with -9
 restarted, and Ctrl-C / SIGTERM leaving no process behind. (What a restarted worker does with the job the
-killed one was running, a transcription resumed from its checkpoint, is tests/integration/test_transcription_faults.py.)"""
+killed one was running, a transcription resumed from its checkpoint, is tests/integration/test_faults.py.)"""
 
 from __future__ import annotations
 
