@@ -1,31 +1,49 @@
 """Token log-probabilities of a transcription (include[]=logprobs): the model's own, on both Whisper paths,
-and nothing else about the transcript changes when they are asked for."""
+and nothing else about the transcript changes when they are asked for (on a sentence of a fixture: what is
+checked is per token)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
+from tests.speech_clips import sentences, write
 from tests.workers.test_speech import model, ref, worker_parts  # noqa: F401  (fixtures)
-from tests.workers.test_speech_batched import SPEECH, samples_of
 from workers import vad
 from workers.backends import whisper, whisper_batch, whisper_encoder
 from workers.backends.segments import attach_logprobs
 
-GARDEN = SPEECH / "garden.wav"
+
+@pytest.fixture(scope="module")
+def birds():
+    """garden's last sentence: 'The birds sing loudly at sunrise, and the cat sleeps in the shade all afternoon.'"""
+    return sentences("garden", 2)
 
 
-def sequential(model, logprobs: bool) -> list[dict]:  # noqa: F811
-    """garden.wav's segments, window by window."""
+@pytest.fixture(scope="module")
+def audio(birds, tmp_path_factory):
+    """The sentence's file."""
+    return write(birds, tmp_path_factory.mktemp("logprobs") / "birds.wav")
+
+
+@pytest.fixture(scope="module")
+def with_logprobs(model, audio) -> list[dict]:  # noqa: F811
+    """The sequential path's segments with their log-probabilities (both tests look at them)."""
+    return sequential(model, audio, logprobs=True)
+
+
+def sequential(model, audio, logprobs: bool) -> list[dict]:  # noqa: F811
+    """The file's segments, window by window."""
     # vad=False: the window is the whole file, as the independent computation below takes it.
-    return [seg for chunk in whisper.transcribe_chunks(model, GARDEN, whisper.Options(logprobs=logprobs, vad=False))
+    return [seg for chunk in whisper.transcribe_chunks(model, audio, whisper.Options(logprobs=logprobs, vad=False))
             for seg in chunk.segments]
 
 
-def batched(model, logprobs: bool) -> list[dict]:  # noqa: F811
-    """garden.wav's segments, its speech pieces decoded together."""
-    chunks = whisper_batch.transcribe_batches(model, GARDEN, whisper.Options(logprobs=logprobs), None,
-                                              vad.speech_pieces(GARDEN), 8)
+def batched(model, audio, logprobs: bool) -> list[dict]:  # noqa: F811
+    """The file's segments, its speech pieces decoded together."""
+    chunks = whisper_batch.transcribe_batches(model, audio, whisper.Options(logprobs=logprobs), None,
+                                              vad.speech_pieces(audio), 8)
     return [seg for chunk in chunks for seg in chunk.segments]
 
 
@@ -33,16 +51,17 @@ def without_logprobs(segments: list[dict]) -> list[dict]:
     return [{k: v for k, v in seg.items() if k != "logprobs"} for seg in segments]
 
 
-def test_each_text_token_has_the_model_s_log_probability(model):  # noqa: F811
-    segments = sequential(model, logprobs=True)
+def test_each_text_token_has_the_model_s_log_probability(model, birds, with_logprobs):  # noqa: F811
+    segments = with_logprobs
     tokenizer = model.get_tokenizer(language="en")
     for seg in segments:  # one entry per text token, whose pieces make up the segment's text
         text_tokens = [t for t in seg["tokens"] if t < tokenizer.eot]
         assert len(seg["logprobs"]) == len(text_tokens) > 0
         assert "".join(e["token"] for e in seg["logprobs"]) == seg["text"]
         assert all(e["bytes"] == list(e["token"].encode()) and e["logprob"] <= 0 for e in seg["logprobs"])
-    # Worked out apart, with mlx-audio's own decoder: the first window (garden.wav is one), no prompt.
-    features = whisper_encoder.encode(model, whisper.window_mel(model, samples_of("garden"))[None])
+    # Worked out apart, with mlx-audio's own decoder: the first window (the sentence is one), no prompt.
+    samples = birds.samples.astype(np.float32) / 32768
+    features = whisper_encoder.encode(model, whisper.window_mel(model, samples)[None])
     initial, tokens = list(tokenizer.sot_sequence), segments[0]["tokens"]
     logits = model.decoder(mx.array([initial + tokens]), features)[0][0, len(initial) - 1:-1].astype(mx.float32)
     expected = mx.take_along_axis(logits, mx.array(tokens)[:, None], axis=-1)[:, 0] - mx.logsumexp(logits, axis=-1)
@@ -50,11 +69,10 @@ def test_each_text_token_has_the_model_s_log_probability(model):  # noqa: F811
     assert [e["logprob"] for e in segments[0]["logprobs"]] == pytest.approx(wanted, abs=2e-3)
 
 
-def test_asking_for_logprobs_changes_nothing_else_and_both_paths_agree(model):  # noqa: F811
-    with_logprobs = sequential(model, logprobs=True)
-    assert without_logprobs(with_logprobs) == sequential(model, logprobs=False)
-    in_batches = batched(model, logprobs=True)
-    assert without_logprobs(in_batches) == batched(model, logprobs=False)
+def test_asking_for_logprobs_changes_nothing_else_and_both_paths_agree(model, audio, with_logprobs):  # noqa: F811
+    assert without_logprobs(with_logprobs) == sequential(model, audio, logprobs=False)
+    in_batches = batched(model, audio, logprobs=True)
+    assert without_logprobs(in_batches) == batched(model, audio, logprobs=False)
     assert [seg["text"] for seg in in_batches] == [seg["text"] for seg in with_logprobs]
     for one, other in zip(in_batches, with_logprobs, strict=True):  # the pieces start elsewhere: close, not equal
         assert [e["token"] for e in one["logprobs"]] == [e["token"] for e in other["logprobs"]]
