@@ -1,27 +1,27 @@
 """CTranslate2 Whisper -> mlx-audio importer, checked end to end on the real tiny.en demo model.
 
-MLX inference runs in a child process (this module run as a script) so that, on a Linux CPU,
-it can preload the system OpenBLAS: the mlx-cpu wheel links the reference BLAS, which makes a
-tiny.en encoder pass take ~50 s instead of ~4 s. On that CPU the child also casts the model to
-float32, because MLX's CPU backend has no fast float16 matmul at all.
+The converted directory is loaded by mlx-audio as the worker loads a model (float32 on a CPU, where MLX
+has no fast float16 matmul) and transcribes every speech fixture on mlxq's batched path, all of them in
+one batch; its encoder is compared with a numpy one built from the CTranslate2 file's own tensors. (The
+test process has the fast BLAS the worker picks: tests/blas_preload.py.) The conversion itself takes
+half a second: it is redone each run, so that a change to the importer is always what is tested.
 """
 
 from __future__ import annotations
 
-import ctypes.util
-import json
-import os
 import shutil
 import struct
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import jiwer
+import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_audio.stt.models.whisper.audio import N_FRAMES, log_mel_spectrogram, pad_or_trim
 
+from tests.speech_clips import spaced, whole, write
+from workers.backends import whisper, whisper_batch
 from workers.importers.ct2_reader import Ct2Model, read_ct2_model
 from workers.importers.ct2_whisper import convert_ct2_whisper
 from workers.importers.errors import ConversionError, UnsupportedModel
@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[2]
 SPEECH = REPO / "tests" / "fixtures" / "speech"
 CLIPS = sorted(p.stem for p in SPEECH.glob("*.wav"))
 MAX_WER = 0.20
-CHILD_TIMEOUT_S = 280
+GAP_S = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -51,23 +51,26 @@ def converted(ct2_dir, tmp_path_factory) -> tuple[Path, dict]:
 
 @pytest.fixture(scope="module")
 def mlx_run(converted, tmp_path_factory) -> dict:
-    """Transcripts of every clip and one encoder output, from mlx-audio in a child process."""
-    out = tmp_path_factory.mktemp("mlx_run")
-    env = dict(os.environ)
-    openblas = ctypes.util.find_library("openblas") if sys.platform == "linux" else None
-    if openblas:
-        env["LD_PRELOAD"] = " ".join(filter(None, [env.get("LD_PRELOAD"), openblas]))
-    command = [sys.executable, "-m", "tests.workers.test_import_ct2_whisper", str(converted[0]), str(out)]
-    try:
-        result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                                timeout=CHILD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"mlx-audio child took over {CHILD_TIMEOUT_S}s (OpenBLAS preloaded: {openblas or 'no'});"
-                    " on a Linux CPU install libopenblas0, the mlx-cpu wheel's own BLAS is ~20x slower")
-    assert result.returncode == 0, f"mlx-audio child failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    run = json.loads((out / "run.json").read_text())
-    run["encoder"] = dict(np.load(out / "encoder.npz"))
-    return run
+    """Transcripts of every clip and one encoder output, from the converted model."""
+    model, _ = whisper.load(converted[0])
+    clips = [whole(clip) for clip in CLIPS]
+    path = write(spaced(clips, GAP_S), tmp_path_factory.mktemp("clips") / "all.wav")
+    spans, start = [], 0.0  # each clip a speech piece of its own: one window each, decoded in one batch
+    for clip in clips:
+        spans.append((start, start + clip.duration_s))
+        start += clip.duration_s + GAP_S
+    started = time.monotonic()
+    chunks = whisper_batch.transcribe_batches(model, path, whisper.Options(language="en"), None, spans, len(spans))
+    segments = [seg for chunk in chunks for seg in chunk.segments]
+    seconds = time.monotonic() - started
+    texts = {clip: "".join(seg["text"] for seg in segments if begin - 0.5 <= seg["start"] < end)
+             for clip, (begin, end) in zip(CLIPS, spans, strict=True)}
+    mel = pad_or_trim(log_mel_spectrogram(mx.array(clips[0].samples.astype(np.float32) / 32768),
+                                          n_mels=model.dims.n_mels), N_FRAMES, axis=-2)
+    features = model.encoder(mel[None].astype(model.dtype))[0].astype(mx.float32)  # mlx-audio's own encoder
+    dtype = "float16" if model.dtype == mx.float16 else "float32"
+    return {"texts": texts, "seconds": seconds, "dtype": dtype,
+            "encoder": {"mel": np.array(mel), "features": np.array(features)}}
 
 
 def test_facts(converted):
@@ -103,7 +106,8 @@ def _wer(clips: list[str], texts: dict) -> float:
 def test_transcribes_clip(mlx_run, clip):
     """Each espeak-ng clip transcribes with a word error rate of at most 20%."""
     wer = _wer([clip], mlx_run["texts"])
-    print(f"{clip}: WER {wer:.1%} in {mlx_run['seconds'][clip]:.1f}s ({mlx_run['dtype']}): {mlx_run['texts'][clip]!r}")
+    print(f"{clip}: WER {wer:.1%} ({mlx_run['dtype']}, all clips in {mlx_run['seconds']:.1f}s): "
+          f"{mlx_run['texts'][clip]!r}")
     assert wer <= MAX_WER, f"{clip}: WER {wer:.1%} for {mlx_run['texts'][clip]!r}"
 
 
@@ -266,43 +270,3 @@ def test_non_whisper_spec(ct2_dir, tmp_path):
     (tmp_path / "out").mkdir()
     with pytest.raises(UnsupportedModel, match="TransformerDecoderModelSpec"):
         convert_ct2_whisper(src, tmp_path / "out")
-
-
-# --- child process: mlx-audio inference ------------------------------------------------------------
-
-def _to_float32(model) -> None:
-    import mlx.core as mx
-
-    model.set_dtype(mx.float32)
-    model.dtype = mx.float32
-    # Buffers mlx-audio keeps outside the parameter tree (private names: a test-only shortcut).
-    model.encoder._positional_embedding = model.encoder._positional_embedding.astype(mx.float32)
-    model.decoder._mask = model.decoder._mask.astype(mx.float32)
-
-
-def _child_main(model_dir: Path, out: Path) -> None:
-    """Load with mlx-audio, transcribe every clip, save one encoder output (see the module docstring)."""
-    import mlx.core as mx
-    from mlx_audio.stt import load
-    from mlx_audio.stt.models.whisper.audio import N_FRAMES, log_mel_spectrogram, pad_or_trim
-    from mlx_audio.stt.utils import load_audio
-
-    model = load(model_dir)
-    fp16 = mx.default_device() == mx.gpu
-    if not fp16:
-        _to_float32(model)
-    texts, seconds = {}, {}
-    for clip in CLIPS:
-        start = time.monotonic()
-        texts[clip] = model.generate(str(SPEECH / f"{clip}.wav"), language="en", fp16=fp16).text
-        seconds[clip] = time.monotonic() - start
-    mel = log_mel_spectrogram(load_audio(str(SPEECH / f"{CLIPS[0]}.wav")), n_mels=model.dims.n_mels)
-    mel = pad_or_trim(mel, N_FRAMES, axis=-2)
-    features = model.encoder(mel[None].astype(model.dtype))[0].astype(mx.float32)
-    np.savez(out / "encoder.npz", mel=np.array(mel), features=np.array(features))
-    dtype = "float16" if fp16 else "float32"
-    (out / "run.json").write_text(json.dumps({"texts": texts, "seconds": seconds, "dtype": dtype}))
-
-
-if __name__ == "__main__":
-    _child_main(Path(sys.argv[1]), Path(sys.argv[2]))
