@@ -1,4 +1,8 @@
-"""Speech to text end to end: gunicorn, Redis, the real worker and whisper-tiny.en on the fixtures."""
+"""Speech to text end to end: gunicorn, Redis, the real worker and whisper-tiny.en on sentences of the fixtures.
+
+What these tests check is done with a transcript, whatever its length: each request sends a sentence or two
+(tests/speech_clips.py), whose window decodes faster than a whole 15 s recording's.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +14,11 @@ import threading
 import time
 import wave
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
+import httpx
 import jiwer
+import numpy as np
 import pytest
 import redis
 from click.testing import CliRunner
@@ -23,6 +30,7 @@ from jobs.formats import TEXT_MIMETYPES
 from jobs.webhooks import SIGNATURE_HEADER, verify
 from mlxq.transcribe_cli import transcribe
 from tests.conftest import REPO, wait_until
+from tests.speech_clips import Clip, script_of, sentences, spaced, write
 from web.app import create_app
 
 MODEL = "whisper-tiny.en"
@@ -43,17 +51,32 @@ def speech_model(models_dir):
         pytest.fail(f"{MODEL} missing in {models_dir}: run `make test` or `mlxq models pull-demo` first")
 
 
+@pytest.fixture(scope="module")
+def clips(tmp_path_factory) -> dict[str, Path]:
+    """The audio sent here, each file with its script beside it: "birds" (a sentence, WAV), "coat" (a sentence,
+    Ogg), "harbor" (two sentences, WAV: two segments), "sparse" (six sentences 26 s apart, WAV: six windows),
+    "quiet" (a second of digital silence: a job with nothing to decode)."""
+    folder = tmp_path_factory.mktemp("clips")
+    far_apart = spaced([sentences(name, index) for index in (0, 2) for name in ("garden", "numbers", "weather")],
+                       gap_s=26.0)  # never one speech piece: each sentence is a window of its own
+    return {"birds": write(sentences("garden", 2), folder / "birds.wav"),
+            "coat": write(sentences("weather", 2), folder / "coat.ogg"),
+            "harbor": write(sentences("train_journey", 1, 2), folder / "harbor.wav"),
+            "sparse": write(far_apart, folder / "sparse.wav"),
+            "quiet": write(Clip(np.zeros(16000, np.int16), ""), folder / "quiet.wav")}
+
+
 def normalise(text: str) -> str:
     """Lowercase, no punctuation, single spaces (what WER is computed on)."""
     text = text.lower().replace("-", " ")
     return " ".join(text.translate(str.maketrans("", "", string.punctuation)).split())
 
 
-def assert_wer(hypothesis: str, name: str, limit: float = 0.2):
-    """The transcript is within `limit` word error rate of the fixture's script."""
-    reference = normalise((SPEECH / f"{name}.txt").read_text())
+def assert_wer(hypothesis: str, audio: Path, limit: float = 0.2):
+    """The transcript is within `limit` word error rate of the script beside `audio` (a fixture or a clip)."""
+    reference = normalise(script_of(audio))
     error = jiwer.wer(reference, normalise(hypothesis))
-    assert error <= limit, f"WER {error:.2f} for {name}: {hypothesis!r}"
+    assert error <= limit, f"WER {error:.2f} for {audio.name}: {hypothesis!r}"
 
 
 def cue_texts(body: str) -> list[str]:
@@ -88,33 +111,23 @@ def read_sse(api, url: str, headers: dict | None = None, timeout: float = 120) -
     return events
 
 
-def transcribe_sync(api, name: str = "garden.wav", **form):
-    """POST a fixture to /v1/audio/transcriptions."""
-    with open(SPEECH / name, "rb") as f:
-        return api.post("/v1/audio/transcriptions", data={"model": MODEL, **form}, files={"file": (name, f)})
+def transcribe_sync(api, audio: Path, **form):
+    """POST an audio file to /v1/audio/transcriptions."""
+    with open(audio, "rb") as f:
+        return api.post("/v1/audio/transcriptions", data={"model": MODEL, **form}, files={"file": (audio.name, f)})
 
 
-def submit_job(api, name: str = "garden.wav", content: bytes | None = None, **form) -> dict:
-    """POST an async transcription job; return the 202 body (after checking the answer's shape)."""
-    content = (SPEECH / name).read_bytes() if content is None else content
-    response = api.post("/v1/jobs/transcriptions", data={"model": MODEL, **form}, files={"file": (name, content)})
+def submit_job(api, name: str | Path = "garden.wav", content: bytes | None = None, **form) -> dict:
+    """POST an async transcription job of a fixture, a file or `content`; return the 202 body (after checking
+    the answer's shape)."""
+    content = (SPEECH / name).read_bytes() if content is None else content  # (an absolute path stays itself)
+    response = api.post("/v1/jobs/transcriptions", data={"model": MODEL, **form},
+                        files={"file": (Path(name).name, content)})
     assert response.status_code == 202, response.text
     body = response.json()
     assert body["object"] == "job" and body["status"] == "queued"
     assert response.headers["Location"] == body["links"]["self"] == f"/v1/jobs/{body['id']}"
     return body
-
-
-def long_wav(repeats: int = 3) -> bytes:
-    """All four fixtures, `repeats` times over (about a minute per repeat): a job that runs a while."""
-    out = io.BytesIO()
-    with wave.open(out, "wb") as dst:
-        dst.setnchannels(1), dst.setsampwidth(2), dst.setframerate(16000)
-        for _ in range(repeats):
-            for name in ("garden", "numbers", "train_journey", "weather"):
-                with wave.open(str(SPEECH / f"{name}.wav")) as src:
-                    dst.writeframes(src.readframes(src.getnframes()))
-    return out.getvalue()
 
 
 # --- the OpenAI-compatible endpoint -----------------------------------------------------------
@@ -125,20 +138,27 @@ def spool_jobs(service, prefix: str = "transcr-") -> set:
     return {p.name for p in spool.iterdir() if p.name.startswith(prefix)} if spool.exists() else set()
 
 
+def duration_s(wav: Path) -> float:
+    """A WAV file's length in seconds."""
+    with wave.open(str(wav)) as f:
+        return f.getnframes() / f.getframerate()
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_every_response_format(openai_client, api, service, fmt):
+def test_every_response_format(openai_client, api, service, clips, fmt):
     """The official client, every format: structure, content type and content (WER) checked."""
     before = spool_jobs(service)
-    with open(SPEECH / "garden.wav", "rb") as f:
+    with open(clips["birds"], "rb") as f:
         raw = openai_client.audio.transcriptions.with_raw_response.create(
             model=MODEL, file=f, response_format=fmt, temperature=0)
     body = raw.parse()
     assert spool_jobs(service) <= before  # the upload is gone once the answer is out
     if fmt in ("json", "verbose_json"):
         assert raw.headers["content-type"].startswith("application/json")
-        assert_wer(body.text, "garden")
+        assert_wer(body.text, clips["birds"])
         if fmt == "verbose_json":
-            assert body.language.startswith("en") and 14 < body.duration < 16
+            assert body.language.startswith("en") and body.duration == pytest.approx(duration_s(clips["birds"]),
+                                                                                       abs=0.5)
             segments = body.segments
             assert [s.id for s in segments] == list(range(len(segments)))
             assert all(0 <= s.start < s.end <= body.duration + 1 for s in segments)
@@ -149,17 +169,17 @@ def test_every_response_format(openai_client, api, service, fmt):
     documented = api.get("/openapi.json").json()["paths"]["/v1/audio/transcriptions"]
     assert TEXT_MIMETYPES[fmt].split(";")[0] in documented["post"]["responses"]["200"]["content"]
     if fmt == "text":
-        assert_wer(body, "garden")
+        assert_wer(body, clips["birds"])
         return
     assert body.startswith("WEBVTT") if fmt == "vtt" else body.startswith("1\n")
     times = cue_times(body)
     assert times and len(times) == len(cue_texts(body))
     assert all(("," in start) == (fmt == "srt") for start, _ in times)
-    assert_wer(" ".join(cue_texts(body)), "garden")
+    assert_wer(" ".join(cue_texts(body)), clips["birds"])
 
 
-def test_word_timestamps_on_ogg(api):
-    response = transcribe_sync(api, "weather.ogg", response_format="verbose_json",
+def test_word_timestamps_on_ogg(api, clips):
+    response = transcribe_sync(api, clips["coat"], response_format="verbose_json",
                                **{"timestamp_granularities[]": ["word", "segment"]})
     assert response.status_code == 200, response.text
     body = response.json()
@@ -167,53 +187,91 @@ def test_word_timestamps_on_ogg(api):
     assert abs(len(words) - len(body["text"].split())) <= 3
     assert all(w["start"] <= w["end"] for w in words)
     assert [w["start"] for w in words] == sorted(w["start"] for w in words)
-    assert_wer(" ".join(w["word"] for w in words), "weather")
-    assert_wer(body["text"], "weather")
+    assert_wer(" ".join(w["word"] for w in words), clips["coat"])
+    assert_wer(body["text"], clips["coat"])
     assert body["segments"]
 
 
-def test_plain_http_json(api):
-    response = transcribe_sync(api, "train_journey.wav")
+def test_plain_http_json(api, clips):
+    response = transcribe_sync(api, clips["birds"])
     assert response.status_code == 200, response.text
     assert set(response.json()) >= {"text"}
-    assert_wer(response.json()["text"], "train_journey")
+    assert_wer(response.json()["text"], clips["birds"])
 
 
-def test_openai_client_stream(openai_client, service):
-    with open(SPEECH / "garden.wav", "rb") as f:
+def test_openai_client_stream(openai_client, service, clips):
+    with open(clips["harbor"], "rb") as f:
         stream = openai_client.audio.transcriptions.create(model=MODEL, file=f, stream=True)
         events = list(stream)
     assert [e.type for e in events[:-1]] == ["transcript.text.delta"] * (len(events) - 1)
     assert events[-1].type == "transcript.text.done" and len(events) >= 2
     assert normalise("".join(e.delta for e in events[:-1])) == normalise(events[-1].text)
-    assert_wer(events[-1].text, "garden")
+    assert_wer(events[-1].text, clips["harbor"])
     wait_until(lambda: not spool_jobs(service), AFTER_END_S, what="the streamed job's upload to be removed")
 
 
-def test_cli_sync_and_async(service, tmp_path):
-    out = tmp_path / "garden.srt"
-    result = CliRunner().invoke(transcribe, [str(SPEECH / "garden.wav"), "--format", "srt", "--url",
+def test_cli_sync_and_async(service, clips, tmp_path):
+    out = tmp_path / "birds.srt"
+    result = CliRunner().invoke(transcribe, [str(clips["birds"]), "--format", "srt", "--url",
                                              service.base_url, "--output", str(out)])
     assert result.exit_code == 0, result.output
-    assert_wer(" ".join(cue_texts(out.read_text())), "garden")
-    result = CliRunner().invoke(transcribe, [str(SPEECH / "weather.ogg"), "--async", "--url", service.base_url])
+    assert_wer(" ".join(cue_texts(out.read_text())), clips["birds"])
+    result = CliRunner().invoke(transcribe, [str(clips["coat"]), "--async", "--url", service.base_url])
     assert result.exit_code == 0, result.output
     assert "queued" in result.stderr
-    assert_wer(result.stdout, "weather")
+    assert_wer(result.stdout, clips["coat"])
 
 
 # --- async jobs -------------------------------------------------------------------------------
 
-def test_async_job_submit_follow_result(api):
-    job = submit_job(api, "numbers.wav", metadata=json.dumps({"team": "qa", "n": 1}))
-    events = read_sse(api, job["links"]["events"])
+class Receiver:
+    """A local webhook receiver recording each POST."""
+
+    def __init__(self):
+        self.hits: list[tuple[dict, bytes]] = []
+        hits = self.hits
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                hits.append((dict(self.headers), self.rfile.read(int(self.headers["Content-Length"]))))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    """A webhook receiver for the module's job."""
+    receiver = Receiver()
+    yield receiver
+    receiver.server.shutdown()
+    receiver.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def followed_job(service, clips, receiver) -> tuple[dict, list[dict]]:
+    """One async job (with metadata and a webhook) and its events, read live from right after it was submitted:
+    the job that the tests of following, replaying and notifying look at, each from its own side."""
+    with httpx.Client(base_url=service.base_url, timeout=120) as api:
+        job = submit_job(api, clips["harbor"], metadata=json.dumps({"team": "qa", "n": 1}), webhook_url=receiver.url)
+        return job, read_sse(api, job["links"]["events"])
+
+
+def test_async_job_submit_follow_result(api, followed_job):
+    job, events = followed_job
     assert events[-1]["event"] == "done" and "error" not in [e["event"] for e in events]
     assert [e["id"] for e in events] == sorted(e["id"] for e in events)
     assert any(e["event"] == "segment" for e in events) and any(e["event"] == "progress" for e in events)
     assert events[-1]["data"]["result"]["segments"]
     record = api.get(job["links"]["self"]).json()
     assert record["status"] == "succeeded" and record["kind"] == "transcription" and record["model"] == MODEL
-    assert record["metadata"] == {"team": "qa", "n": 1} and record["filename"] == "numbers.wav"
+    assert record["metadata"] == {"team": "qa", "n": 1} and record["filename"] == "harbor.wav"
     assert record["result"]["text"] == events[-1]["data"]["result"]["text"]
     assert record["progress"]["percent"] == pytest.approx(100, abs=1)
     srt = api.get(job["links"]["result"], params={"format": "srt"})
@@ -223,10 +281,10 @@ def test_async_job_submit_follow_result(api):
     assert api.get(job["links"]["result"]).json()["text"] == record["result"]["text"]  # default: json
 
 
-def test_sse_replay_from_start_middle_and_after_end(api):
-    job = submit_job(api, "train_journey.wav")
-    live = read_sse(api, job["links"]["events"])  # connected right after submitting: live events
+def test_sse_replay_from_start_middle_and_after_end(api, followed_job):
+    job, live = followed_job  # read from right after submitting: live events
     assert live[-1]["event"] == "done"
+    assert len([e for e in live if e["event"] == "segment"]) >= 2  # (two sentences)
     after_end = read_sse(api, job["links"]["events"])
     assert after_end == live
     middle = live[len(live) // 2]["id"]
@@ -238,9 +296,10 @@ def test_sse_replay_from_start_middle_and_after_end(api):
     assert normalise(" ".join(segments)) == normalise(live[-1]["data"]["result"]["text"])
 
 
-def test_cancel_queued_then_running_job(api):
-    running = submit_job(api, "long.wav", content=long_wav(repeats=1))  # canceled after its first window
-    queued = submit_job(api, "garden.wav")
+def test_cancel_queued_then_running_job(api, clips):
+    # Six windows, each a sentence: the job runs a while, and is canceled after its first window or two.
+    running = submit_job(api, clips["sparse"])
+    queued = submit_job(api, clips["birds"])
     not_ready = api.get(queued["links"]["result"])
     assert not_ready.status_code == 409 and not_ready.json()["error"]["code"] == "not_ready"
     canceled = api.delete(queued["links"]["self"])
@@ -262,10 +321,10 @@ def test_cancel_queued_then_running_job(api):
                what="the running job's record to say canceled")
 
 
-def test_job_listing_is_newest_first_with_cursors(api):
-    ids = [submit_job(api, "garden.wav")["id"] for _ in range(3)]
+def test_job_listing_is_newest_first_with_cursors(api, clips):
+    ids = [submit_job(api, clips["quiet"])["id"] for _ in range(3)]  # (if one runs, it is over at once)
     for job_id in ids:
-        api.delete(f"/v1/jobs/{job_id}")  # not needed to run; canceled or canceling is fine
+        api.delete(f"/v1/jobs/{job_id}")  # not needed to run; canceled, canceling or done is fine
     seen, cursor = [], None
     while len(seen) < 3:
         page = api.get("/v1/jobs", params={"limit": 1, **({"cursor": cursor} if cursor else {})}).json()
@@ -291,48 +350,22 @@ def test_async_chat_job(api):
     assert "Paris" in api.get(job["links"]["result"]).json()["choices"][0]["message"]["content"]
 
 
-class Receiver:
-    """A local webhook receiver recording each POST."""
-
-    def __init__(self):
-        self.hits: list[tuple[dict, bytes]] = []
-        hits = self.hits
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):
-                hits.append((dict(self.headers), self.rfile.read(int(self.headers["Content-Length"]))))
-                self.send_response(200)
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-
-def test_webhook_arrives_once_signed(api, service, monkeypatch):
+def test_webhook_arrives_once_signed(service, followed_job, receiver, monkeypatch):
     monkeypatch.setenv("MLXQ_REDIS_URL", service.redis_url)  # the in-process webhook worker's settings
     monkeypatch.setenv("MLXQ_WEBHOOK_SECRET", WEBHOOK_SECRET)
     monkeypatch.setenv("MLXQ_WEBHOOK_ALLOW_PRIVATE", "1")
-    receiver = Receiver()
-    try:
-        job = submit_job(api, "garden.wav", webhook_url=receiver.url)
-        assert read_sse(api, job["links"]["events"])[-1]["event"] == "done"
-        connection = redis.Redis.from_url(service.redis_url)  # not `redis_conn`: that one flushes the db
-        queue = queues.get_queue(queues.WEBHOOKS, connection)
-        wait_until(lambda: any(j.args[0]["job_id"] == job["id"] for j in queue.jobs), AFTER_END_S,
-                   what="the webhook delivery job")
-        for _ in range(2):  # a second pass must not deliver again
-            SimpleWorker([queue], connection=connection, serializer=JSONSerializer).work(burst=True)
-        assert len(receiver.hits) == 1
-        headers, body = receiver.hits[0]
-        assert json.loads(body) == {"id": job["id"], "status": "succeeded"}
-        assert verify(WEBHOOK_SECRET, body, headers[SIGNATURE_HEADER])
-    finally:
-        receiver.server.shutdown()
-        receiver.server.server_close()
+    job, events = followed_job
+    assert events[-1]["event"] == "done"
+    connection = redis.Redis.from_url(service.redis_url)  # not `redis_conn`: that one flushes the db
+    queue = queues.get_queue(queues.WEBHOOKS, connection)
+    wait_until(lambda: any(j.args[0]["job_id"] == job["id"] for j in queue.jobs), AFTER_END_S,
+               what="the webhook delivery job")
+    for _ in range(2):  # a second pass must not deliver again
+        SimpleWorker([queue], connection=connection, serializer=JSONSerializer).work(burst=True)
+    assert len(receiver.hits) == 1
+    headers, body = receiver.hits[0]
+    assert json.loads(body) == {"id": job["id"], "status": "succeeded"}
+    assert verify(WEBHOOK_SECRET, body, headers[SIGNATURE_HEADER])
 
 
 # --- bad input --------------------------------------------------------------------------------

@@ -1,12 +1,18 @@
 """include[]=logprobs through the API: the official openai client gets each text token's log-probability in
 `json` and in the stream's events, an async job keeps them in its result, and a format with no room for them
-is refused."""
+is refused (on sentences of the fixtures: what is checked is per token, not per minute)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.integration.test_transcription import SPEECH, assert_wer, read_sse, submit_job, transcribe_sync
+from tests.integration.test_transcription import (  # noqa: F401  (clips: a fixture)
+    assert_wer,
+    clips,
+    read_sse,
+    submit_job,
+    transcribe_sync,
+)
 
 MODEL = "whisper-tiny.en"
 
@@ -18,16 +24,16 @@ def assert_entries(entries: list[dict], text: str) -> None:
     assert all(e["logprob"] <= 0 and bytes(map(int, e["bytes"])) == e["token"].encode() for e in entries)
 
 
-def test_openai_client_json_with_logprobs(openai_client):
-    with open(SPEECH / "garden.wav", "rb") as f:
+def test_openai_client_json_with_logprobs(openai_client, clips):  # noqa: F811
+    with open(clips["birds"], "rb") as f:
         result = openai_client.audio.transcriptions.create(model=MODEL, file=f, response_format="json",
                                                            include=["logprobs"])
-    assert_wer(result.text, "garden")
+    assert_wer(result.text, clips["birds"])
     assert_entries([e.model_dump() for e in result.logprobs], result.text)
 
 
-def test_openai_client_stream_with_logprobs(openai_client):
-    with open(SPEECH / "numbers.wav", "rb") as f:
+def test_openai_client_stream_with_logprobs(openai_client, clips):  # noqa: F811
+    with open(clips["harbor"], "rb") as f:
         events = list(openai_client.audio.transcriptions.create(model=MODEL, file=f, stream=True,
                                                                 include=["logprobs"]))
     deltas, done = events[:-1], events[-1]
@@ -37,14 +43,14 @@ def test_openai_client_stream_with_logprobs(openai_client):
     assert [e.model_dump() for e in done.logprobs] == [e.model_dump() for d in deltas for e in d.logprobs]
 
 
-def test_without_include_there_are_no_logprobs(api):
-    response = transcribe_sync(api, response_format="verbose_json")
+def test_without_include_there_are_no_logprobs(api, clips):  # noqa: F811
+    response = transcribe_sync(api, clips["birds"], response_format="verbose_json")
     assert response.status_code == 200, response.text
     assert "logprobs" not in response.json()
 
 
-def test_an_async_batched_job_keeps_them(api):
-    job = submit_job(api, "train_journey.wav", chunking_strategy="auto", **{"include[]": "logprobs"})
+def test_an_async_batched_job_keeps_them(api, clips):  # noqa: F811
+    job = submit_job(api, clips["birds"], chunking_strategy="auto", **{"include[]": "logprobs"})
     events = read_sse(api, job["links"]["events"])
     assert events[-1]["event"] == "done"
     segments = [e["data"] for e in events if e["event"] == "segment"]
@@ -61,8 +67,8 @@ def test_an_async_batched_job_keeps_them(api):
     ({"include[]": "logprobs", "response_format": "text"}, "json or verbose_json"),
     ({"include[]": "tokens"}, "Must be one of"),
 ])
-def test_what_cannot_be_included_is_a_400(api, form, message):
-    response = transcribe_sync(api, **form)
+def test_what_cannot_be_included_is_a_400(api, clips, form, message):  # noqa: F811
+    response = transcribe_sync(api, clips["birds"], **form)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["code"] == "invalid_value" and error["param"].startswith("include[]") and message in error["message"]
