@@ -128,9 +128,12 @@ def follow(
             if not pending:
                 if on_idle is not None:
                     outage.attempt(on_idle)
+                # Whether it has ended is read before the log: a terminal event appended between the two
+                # reads would otherwise count as ended without ever being yielded.
+                ended = outage.attempt(has_ended, connection, job_id)
                 pending = outage.attempt(read_log, connection, job_id, last) or []
                 if not pending:
-                    if outage.attempt(has_ended, connection, job_id):
+                    if ended:
                         return  # the reader had already seen the terminal event: nothing more will come
                     yield IDLE
 
