@@ -110,6 +110,17 @@ class Service:
                 return False
         wait_until(ready, timeout, interval=0.2, what="the service to become ready")
 
+    def wait_web(self, timeout: float = 60) -> None:
+        """Wait until the web tier answers /health (fails at once if it died)."""
+        def up() -> bool:
+            if not self.web.alive():
+                raise AssertionError(f"the web tier died:\n{self.web.tail()}")
+            try:
+                return httpx.get(self.base_url + "/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+        wait_until(up, timeout, interval=0.1, what="the web tier")
+
     def restart_worker(self) -> None:
         """Start a fresh worker after a test stopped or killed it."""
         self.worker.stop()
@@ -145,16 +156,7 @@ def web_only(redis_url, models_dir):
     redis.Redis.from_url(url).flushdb()
     svc = Service(url, models_dir)
     svc.web.start()
-
-    def up() -> bool:
-        if not svc.web.alive():
-            raise AssertionError(f"the web tier died:\n{svc.web.tail()}")
-        try:
-            return httpx.get(svc.base_url + "/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_until(up, 60, interval=0.2, what="the web tier")
+    svc.wait_web()
     yield svc
     svc.stop()
 

@@ -55,18 +55,6 @@ def durable_service(models_dir):
     server.stop()
 
 
-def _web_up(service: Service) -> None:
-    """Wait until the web tier answers /health."""
-    def up() -> bool:
-        if not service.web.alive():
-            raise AssertionError(f"the web tier died:\n{service.web.tail()}")
-        try:
-            return httpx.get(service.base_url + "/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-    wait_until(up, 60, interval=0.1, what="the web tier")
-
-
 @pytest.fixture()
 def no_worker(durable_service):
     """The module's Redis and web tier up, no worker: queued jobs stay queued."""
@@ -74,7 +62,7 @@ def no_worker(durable_service):
     if server.process.poll() is not None:  # a test that failed halfway may have left it down
         server.start()
     service.worker.stop()
-    _web_up(service)
+    service.wait_web()
     return server, service
 
 
