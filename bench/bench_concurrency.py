@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -49,7 +50,7 @@ from bench.bench_text import (  # noqa: E402
     start_mlx_lm_server,
     start_mlxq,
 )
-from bench.common import KeepAliveClient, percentile, start_redis, write_report  # noqa: E402
+from bench.common import KeepAliveClient, cpu_seconds, percentile, start_redis, write_report  # noqa: E402
 
 TOPICS = ["a lighthouse", "a dragon", "the sea", "a city at night", "an old map", "a garden", "a river", "a train"]
 WORKLOADS = ("greedy", "sampled", "mixed")
@@ -117,9 +118,25 @@ def one_stream(base: str, model: str, index: int, fields: dict, max_tokens: int,
         client.close()
 
 
+WATCHED: dict[str, int] = {}
+"""Processes whose CPU time each round reports beside the servers' own (name -> pid): the shared Redis."""
+
+
+def cpu_now(server) -> dict[str, float]:
+    """CPU seconds used so far by each of the server's processes (with their children), the shared Redis
+    and this benchmark's process (its client threads)."""
+    used = {proc.name: cpu_seconds(proc.process.pid) for proc in server.procs}
+    used.update({name: cpu_seconds(pid) for name, pid in WATCHED.items()})
+    times = os.times()
+    used["client"] = times.user + times.system
+    return used
+
+
 def round_of(server, workload: str, n: int, max_tokens: int, temperature: float) -> dict:
-    """N streams of one workload at once against one server; its aggregate figures."""
+    """N streams of one workload at once against one server; its aggregate figures, and the CPU seconds
+    each process used during the round (a process near 1 s per second of wall time is the limit)."""
     results: dict[int, dict] = {}
+    cpu_before = cpu_now(server)
     started = time.perf_counter()
     threads = [threading.Thread(target=one_stream, args=(server.base, server.model, i,
                                                          sampling_fields(workload, i, temperature),
@@ -129,7 +146,11 @@ def round_of(server, workload: str, n: int, max_tokens: int, temperature: float)
         thread.start()
     for thread in threads:
         thread.join(900)
-    return figures(n, started, results)
+    out = figures(n, started, results)
+    cpu_after = cpu_now(server)
+    out["cpu_per_wall"] = {name: (cpu_after[name] - cpu_before[name]) / out["wall_s"] if out["wall_s"] > 0 else None
+                           for name in cpu_before}
+    return out
 
 
 def figures(n: int, started: float, results: dict[int, dict]) -> dict:
@@ -221,6 +242,10 @@ def combine(runs: list[dict]) -> dict:
     for key in keys:
         values = [r[key] for r in runs if r[key] is not None]
         out[key] = statistics.median(values) if values else None
+    cpu = [r["cpu_per_wall"] for r in runs if r.get("cpu_per_wall")]
+    if cpu:  # a server's rounds: each process's CPU seconds per second of the round
+        out["cpu_per_wall"] = {name: statistics.median(c[name] for c in cpu if c.get(name) is not None)
+                               for name in cpu[0]}
     out["each_round"] = [{k: r[k] for k in ("aggregate_tps", "ttft_p50_s", "failed")} for r in runs]
     return out
 
@@ -258,6 +283,9 @@ def summary(report: dict) -> str:
                 lines.append(f"{workload:9} {n:>3} {name:16} {num(c['aggregate_tps']):>8} {num(c['ttft_p50_s'], 3):>9} "
                              f"{num(c['ttft_p99_s'], 3):>9} {c['failed']:>6}  "
                              f"{[round(x['aggregate_tps']) for x in c['each_round']]} {c['errors'][:1] or ''}")
+                if c.get("cpu_per_wall"):
+                    lines.append(f"{'':9} {'':>3} {'':16} CPU s per s: " + ", ".join(
+                        f"{k.removeprefix(name + '-')} {num(v, 2)}" for k, v in c["cpu_per_wall"].items()))
             ratios_n = report["ratios"].get(workload, {}).get(n, {})
             lines.append(f"{'':9} {n:>3} mlxq ÷ " + ", ".join(f"{k.removeprefix('mlxq_vs_')} {num(v, 2)}"
                                                             for k, v in ratios_n.items()))
@@ -301,6 +329,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--direct", action=argparse.BooleanOptionalAction, default=True,
                         help="mlx-lm's BatchGenerator in this process, one shared sampler (the engine's ceiling)")
     parser.add_argument("--control", action="store_true", help="a second mlx_lm.server, as a control")
+    parser.add_argument("--web-workers", type=int, default=2, help="mlxq's gunicorn processes (`mlxq up`'s default: 2)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     global SAMPLED_TOP_P
@@ -329,7 +358,8 @@ def main() -> None:
         model_dir = same_weights_everywhere(args.model)
         single = Direct(model_dir)
         single.decode(16)  # warm-up
-        servers = [start_mlxq(model_dir, redis_url), start_mlx_lm_server(model_dir)]
+        WATCHED["redis"] = redis_proc.process.pid
+        servers = [start_mlxq(model_dir, redis_url, web_workers=args.web_workers), start_mlx_lm_server(model_dir)]
         if args.control:
             servers.append(start_mlx_lm_server(model_dir, "mlx_lm_server_2"))
         contestants = servers + ([DirectBatch(single.model, single.tokenizer)] if args.direct else [])

