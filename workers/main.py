@@ -120,6 +120,14 @@ def warm_models(scheduler, settings: Settings) -> None:
         log.info("warmed %s in %.2fs", resident.info.id, resident.load_s)
 
 
+BEAT_RETRY_S = 0.1
+"""After a failed heartbeat, how soon the next try. An outage longer than worker_dead_after_s lets the
+liveness key expire; until a beat lands again, a web process following one of this worker's jobs finds
+no key and fails the live job with worker_died. Retrying at the heartbeat's own pace (a second) left that
+window open for up to a second or two after Redis came back (the web's event hub reconnects 0.4 s after losing
+Redis at the soonest)."""
+
+
 class Heartbeat:
     """A thread: liveness key, running jobs' RQ heartbeats, the rq-dashboard entry, recovery sweeps."""
 
@@ -153,11 +161,16 @@ class Heartbeat:
             log.warning("could not unregister: %s", exc)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.settings.worker_heartbeat_s):
+        wait, failing = self.settings.worker_heartbeat_s, False
+        while not self._stop.wait(wait):
             try:
                 self.beat()
+                wait, failing = self.settings.worker_heartbeat_s, False
             except redis.RedisError as exc:  # keep beating: Redis may come back before the key expires
-                log.warning("heartbeat failed: %s", exc)
+                if not failing:
+                    log.warning("heartbeat failed: %s; trying again every %gs until Redis answers", exc, BEAT_RETRY_S)
+                log.debug("heartbeat failed: %s", exc)
+                wait, failing = BEAT_RETRY_S, True
 
     def state(self, active: list) -> dict:
         """What the admin API and /metrics show of this worker (read from the scheduler's thread-safe views)."""

@@ -82,9 +82,8 @@ def durable(durable_service):
 def _wait_beat(conn: redis.Redis, worker: Proc) -> None:
     """Wait until the worker's heartbeat next sets its liveness key.
 
-    Right after an outage the heartbeat thread may still be between two retries (up to 2 s apart), its key
-    near its expiry: a second outage then outlasts the key, and a reader that follows a job finds the live
-    worker dead in the moment between Redis's return and the next beat. Each test starts from a fresh beat.
+    Right after an outage the key may be near its expiry: a second outage would then outlast it. Each test
+    starts from a fresh beat (after a failed beat the worker tries again every 0.1 s: tests/workers/test_heartbeat.py).
     """
     key = keys.worker_alive(next(s["name"] for s in workers.states(conn) if s["pid"] == worker.process.pid))
     before = conn.pttl(key)
