@@ -1,14 +1,25 @@
 """chunking_strategy through the API: the official openai client asks for "auto" and the silent
-minute between two recordings yields no segment; an async job takes it too; bad values are 400s."""
+minute between two sentences of the speech fixtures yields no segment; an async job takes it too; bad values
+are 400s."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.integration.test_transcription import SPEECH, read_sse
-from tests.workers.test_speech_batched import GAP_S, gap_file  # noqa: F401  (the file fixture)
+from tests.speech_clips import sentences, spaced, write
 
 MODEL = "whisper-tiny.en"
+GAP_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def gap_file(tmp_path_factory):
+    """garden's first sentence (the apple tree), a minute of digital silence, numbers' first (the oranges):
+    (path, where the silence starts). A sentence a side, not a whole recording: what is checked is the silence."""
+    before = sentences("garden", 0)
+    path = write(spaced([before, sentences("numbers", 0)], GAP_S), tmp_path_factory.mktemp("vad") / "gap.wav")
+    return path, before.duration_s
 
 
 def assert_nothing_in_the_gap(segments, gap_start: float) -> None:
@@ -17,7 +28,7 @@ def assert_nothing_in_the_gap(segments, gap_start: float) -> None:
         assert seg["end"] <= gap_start + 0.5 or seg["start"] >= gap_start + GAP_S - 0.5, seg
 
 
-def test_auto_chunking_through_the_openai_client(openai_client, gap_file):  # noqa: F811
+def test_auto_chunking_through_the_openai_client(openai_client, gap_file):
     path, gap_start = gap_file
     with open(path, "rb") as f:
         result = openai_client.audio.transcriptions.create(model=MODEL, file=f, response_format="verbose_json",
@@ -26,7 +37,7 @@ def test_auto_chunking_through_the_openai_client(openai_client, gap_file):  # no
     assert "apple tree" in result.text.lower() and "oranges" in result.text.lower()
 
 
-def test_an_async_job_with_server_vad(api, gap_file):  # noqa: F811
+def test_an_async_job_with_server_vad(api, gap_file):
     path, gap_start = gap_file
     with open(path, "rb") as f:  # OpenAI's {"type": "server_vad"} object, as a form sends it
         response = api.post("/v1/jobs/transcriptions", files={"file": ("gap.wav", f, "audio/wav")},

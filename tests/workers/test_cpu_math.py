@@ -10,11 +10,29 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
+from tests.speech_clips import Clip, sentences, spaced, whole
 from tests.workers.test_speech import model, ref, worker_parts  # noqa: F401  (fixtures)
-from tests.workers.test_speech_batched import samples_of
 from workers.backends import cpu_math, whisper, whisper_decoder, whisper_encoder
 
 pytestmark = pytest.mark.skipif(not cpu_math.polynomials(), reason="the polynomials run on a CPU with g++ only")
+
+
+def window_of(model, clip: Clip) -> mx.array:  # noqa: F811
+    """The log-mel window of a clip."""
+    return whisper.window_mel(model, clip.samples.astype(np.float32) / 32768)
+
+
+@pytest.fixture(scope="module")
+def speech_window(model) -> mx.array:  # noqa: F811
+    """One window of words and figures: garden's first sentence, then numbers' (an encoder pass costs a
+    window whatever it holds; its decoding, the words: two sentences, not two whole recordings)."""
+    return window_of(model, spaced([sentences("garden", 0), sentences("numbers", 0)], gap_s=0.5))
+
+
+@pytest.fixture(scope="module")
+def ours(model, speech_window) -> mx.array:  # noqa: F811
+    """Our encoder's features of `speech_window` (both encoder tests use them)."""
+    return whisper_encoder.encode(model, speech_window[None])
 
 
 def test_exp_and_gelu_stay_close_to_the_exact_functions():
@@ -40,25 +58,26 @@ def test_attention_and_logsumexp_match_mlx():
     assert cpu_math.logsumexp(nothing).tolist() == [-math.inf, -math.inf]
 
 
-@pytest.mark.parametrize("name", ["garden", "numbers"])
-def test_the_encoder_gives_mlx_audios_features_and_transcript(model, name):  # noqa: F811
-    mel = whisper.window_mel(model, samples_of(name))[None]
-    ours, theirs = whisper_encoder.encode(model, mel), model.encoder(mel)
+def test_the_encoder_gives_mlx_audios_features_and_transcript(model, speech_window, ours):  # noqa: F811
+    theirs = model.encoder(speech_window[None])
     assert ours.shape == theirs.shape and ours.dtype == theirs.dtype
     difference = float(mx.abs(ours - theirs).max())
     assert difference < 0.01 * float(mx.abs(theirs).max()), difference
     # Same tokens through mlx-audio's decoder from either encoder's output, and through ours.
     options = whisper.DecodingOptions(language="en", temperature=0.0, fp16=False)
-    expected = model.decode(theirs[0], options).tokens
+    reference = model.decode(theirs[0], options)
+    assert "apple" in reference.text and "oranges" in reference.text  # both sentences were heard
+    expected = reference.tokens
     assert model.decode(ours[0], options).tokens == expected
     tokenizer = model.get_tokenizer(language="en", task="transcribe")
     assert whisper_decoder.decode_features(model, ours, tokenizer, [])[0].tokens == expected
 
 
-def test_windows_encoded_in_groups_equal_each_alone(model):  # noqa: F811
-    mels = mx.stack([whisper.window_mel(model, samples_of(name)) for name in ("garden", "numbers", "garden")])
+def test_windows_encoded_in_groups_equal_each_alone(model, speech_window, ours):  # noqa: F811
+    other = window_of(model, whole("numbers"))
+    mels = mx.stack([speech_window, other, speech_window])  # a group of two, then one left over
     grouped = whisper_encoder.encode_windows(model, mels, 2)
-    alone = mx.concatenate([whisper_encoder.encode(model, mels[i:i + 1]) for i in range(3)])
+    alone = mx.concatenate([ours, whisper_encoder.encode(model, other[None]), ours])  # (the same window: once)
     assert grouped.shape == (3, 1500, model.dims.n_audio_state)
     assert float(mx.abs(grouped - alone).max()) < 1e-3
 
