@@ -7,7 +7,8 @@ from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
 from mlxq.admin_cli import admin
-from tests.conftest import REPO, wait_until
+from tests.conftest import wait_until
+from tests.speech_clips import sentences, write
 
 TEXT, SPEECH = "smollm2-135m", "whisper-tiny.en"
 
@@ -99,7 +100,7 @@ def test_mlxq_admin_cli(service):
     CliRunner().invoke(admin, ["unload", SPEECH, "--url", service.base_url])
 
 
-def test_metrics_count_a_known_set_of_requests(api):
+def test_metrics_count_a_known_set_of_requests(api, tmp_path):
     before = scrape(api)
     tokens = 0
     for question in ("Hi", "Name a colour.", "Count to three."):
@@ -108,9 +109,9 @@ def test_metrics_count_a_known_set_of_requests(api):
         assert answer.status_code == 200, answer.text
         tokens += answer.json()["usage"]["completion_tokens"]
     assert api.get("/v1/nothing-here").status_code == 404
-    audio = (REPO / "tests" / "fixtures" / "speech" / "weather.wav").read_bytes()
+    audio = write(sentences("weather", 1), tmp_path / "afternoon.wav").read_bytes()  # one sentence, ~4 s
     transcript = api.post("/v1/audio/transcriptions", data={"model": SPEECH, "response_format": "verbose_json"},
-                          files={"file": ("weather.wav", audio)})
+                          files={"file": ("afternoon.wav", audio)})
     assert transcript.status_code == 200, transcript.text
 
     def jobs_counted() -> dict | None:

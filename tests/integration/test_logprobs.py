@@ -19,8 +19,15 @@ def chat(client, **kwargs):
     return client.chat.completions.create(**options)
 
 
-def test_greedy_tokens_are_the_most_likely_ones(openai_client):
-    choice = chat(openai_client, logprobs=True, top_logprobs=3).choices[0]
+@pytest.fixture(scope="module")
+def greedy(service):
+    """A greedy chat with logprobs and 3 top_logprobs, asked once: checked, and streamed alike."""
+    client = openai.OpenAI(base_url=service.base_url + "/v1", api_key="unused", timeout=120, max_retries=0)
+    return chat(client, logprobs=True, top_logprobs=3).choices[0]
+
+
+def test_greedy_tokens_are_the_most_likely_ones(greedy):
+    choice = greedy
     entries = choice.logprobs.content
     assert entries and "".join(e.token for e in entries) == choice.message.content
     for e in entries:
@@ -32,14 +39,15 @@ def test_greedy_tokens_are_the_most_likely_ones(openai_client):
 
 
 def test_no_logprobs_unless_asked(openai_client):
-    assert chat(openai_client).choices[0].logprobs is None
+    assert chat(openai_client, max_tokens=2).choices[0].logprobs is None
 
 
-def test_streamed_logprobs_are_the_plain_ones(openai_client):
-    plain = chat(openai_client, logprobs=True, top_logprobs=2).choices[0].logprobs.content
-    streamed = [e for chunk in chat(openai_client, logprobs=True, top_logprobs=2, stream=True)
+def test_streamed_logprobs_are_the_plain_ones(openai_client, greedy):
+    plain = greedy.logprobs.content
+    streamed = [e for chunk in chat(openai_client, logprobs=True, top_logprobs=3, stream=True)
                 if chunk.choices and chunk.choices[0].logprobs for e in chunk.choices[0].logprobs.content]
     assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in plain]
+    assert all(len(e.top_logprobs) == 3 for e in streamed)
 
 
 def test_sampled_choices_in_a_batch_carry_their_own(openai_client):

@@ -30,6 +30,18 @@ def claude(service):
     return anthropic.Anthropic(base_url=service.base_url, api_key="unused", max_retries=0, timeout=120)
 
 
+@pytest.fixture(scope="module")
+def module_claude(service):
+    """The anthropic client for module fixtures."""
+    return anthropic.Anthropic(base_url=service.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def plain(module_claude):
+    """The greedy text of the default question, asked once: what the stream and stop sequences compare with."""
+    return ask(module_claude).content[0].text
+
+
 def ask(client, content="What is the capital of France?", **kwargs):
     # Greedy, for answers that can be compared (this client version takes no `temperature` argument).
     options = {"model": MODEL, "max_tokens": 24, "messages": [{"role": "user", "content": content}],
@@ -45,8 +57,7 @@ def test_a_message(claude):
     assert message.usage.input_tokens > 10 and message.usage.output_tokens > 0
 
 
-def test_a_stream_gives_the_same_text(claude):
-    plain = ask(claude).content[0].text
+def test_a_stream_gives_the_same_text(claude, plain):
     with claude.messages.stream(model=MODEL, max_tokens=24, extra_body={"temperature": 0},
                                 messages=[{"role": "user", "content": "What is the capital of France?"}]) as stream:
         streamed = stream.get_final_text()
@@ -58,8 +69,7 @@ def test_max_tokens_stop_reason(claude):
     assert ask(claude, "Tell me a long story.", max_tokens=3).stop_reason == "max_tokens"
 
 
-def test_a_stop_sequence_is_reported_as_such(claude):
-    plain = ask(claude).content[0].text
+def test_a_stop_sequence_is_reported_as_such(claude, plain):
     word = plain.split()[1]  # a word the greedy answer is sure to reach
     message = ask(claude, stop_sequences=["zzz-never", word])
     assert message.stop_reason == "stop_sequence" and message.stop_sequence == word
@@ -88,6 +98,12 @@ def ask_tools(client, messages=None, **kwargs):
     return client.messages.create(**{**options, **kwargs})
 
 
+@pytest.fixture(scope="module")
+def named_call(module_claude):
+    """The greedy answer with the named tool forced, asked once: checked, streamed alike and answered."""
+    return ask_tools(module_claude, tool_choice=NAMED)
+
+
 def only_tool_use(message):
     """The message's one tool_use block (blank text beside a call is no block)."""
     (block,) = message.content
@@ -96,8 +112,8 @@ def only_tool_use(message):
 
 
 @pytest.mark.parametrize("choice", [NAMED, {"type": "any", "disable_parallel_tool_use": True}])
-def test_a_forced_call_is_a_tool_use_block(claude, choice):
-    message = ask_tools(claude, tool_choice=choice)
+def test_a_forced_call_is_a_tool_use_block(claude, named_call, choice):
+    message = named_call if choice == NAMED else ask_tools(claude, tool_choice=choice)
     block = only_tool_use(message)
     assert block.name == "get_weather"
     assert isinstance(block.input, dict) and set(block.input) == {"city"} and isinstance(block.input["city"], str)
@@ -105,8 +121,8 @@ def test_a_forced_call_is_a_tool_use_block(claude, choice):
     assert message.stop_reason == "tool_use" and message.stop_sequence is None
 
 
-def test_a_streamed_call_assembles_to_the_same_tool_use(claude):
-    plain = only_tool_use(ask_tools(claude, tool_choice=NAMED))
+def test_a_streamed_call_assembles_to_the_same_tool_use(claude, named_call):
+    plain = only_tool_use(named_call)
     kinds = []
     with claude.messages.stream(model=TOOLS_MODEL, max_tokens=64, tools=[WEATHER], tool_choice=NAMED,
                                 extra_body={"temperature": 0},
@@ -122,8 +138,8 @@ def test_a_streamed_call_assembles_to_the_same_tool_use(claude):
     assert final.stop_reason == "tool_use"
 
 
-def test_the_tool_round_trip_completes(claude):
-    first = ask_tools(claude, tool_choice=NAMED)
+def test_the_tool_round_trip_completes(claude, named_call):
+    first = named_call
     call = only_tool_use(first)
     history = [{"role": "user", "content": QUESTION},
                {"role": "assistant", "content": [c.model_dump(exclude_none=True) for c in first.content]},

@@ -14,18 +14,21 @@ MODEL = "smollm2-135m"
 
 
 def create(client, **kwargs):
-    return client.responses.create(**{"model": MODEL, "temperature": 0, "max_output_tokens": 24, **kwargs})
+    return client.responses.create(**{"model": MODEL, "temperature": 0, "max_output_tokens": 12, **kwargs})
 
 
-def test_a_string_input_gets_a_completed_response(openai_client):
-    response = create(openai_client, input="What is the capital of France?")
+def test_a_string_input_gets_a_completed_response_stored_as_it_was_answered(openai_client):
+    response = create(openai_client, input="What is the capital of France?", instructions="Be brief.",
+                      metadata={"k": "v"})
     assert response.status == "completed" and response.object == "response"
     assert response.output_text and response.output[0].role == "assistant"
     assert response.usage.output_tokens > 0 and response.usage.input_tokens > 5
+    assert openai_client.responses.retrieve(response.id).model_dump() == response.model_dump()
 
 
 def test_the_stream_ends_with_completed_and_its_text_is_the_plain_one(openai_client):
-    plain = create(openai_client, input="Name three colours.", store=False).output_text
+    plain_response = create(openai_client, input="Name three colours.", store=False)
+    plain = plain_response.output_text
     events = list(create(openai_client, input="Name three colours.", store=False, stream=True))
     kinds = [e.type for e in events]
     assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
@@ -34,6 +37,10 @@ def test_the_stream_ends_with_completed_and_its_text_is_the_plain_one(openai_cli
     assert [e.sequence_number for e in events] == list(range(len(events)))
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == plain == events[-1].response.output_text
+    # store=False keeps neither of them.
+    for response_id in (plain_response.id, events[-1].response.id):
+        with pytest.raises(openai.NotFoundError):
+            openai_client.responses.retrieve(response_id)
 
 
 def test_previous_response_id_continues_the_conversation(openai_client):
@@ -67,22 +74,13 @@ def test_errors(openai_client):
         openai_client.responses.retrieve("resp-unknown")
 
 
-def test_a_stored_response_is_fetched_as_it_was_answered(openai_client):
-    response = create(openai_client, input="Hi", instructions="Be brief.", metadata={"k": "v"})
-    assert openai_client.responses.retrieve(response.id).model_dump() == response.model_dump()
-
-
-def test_store_false_keeps_nothing(openai_client):
-    response = create(openai_client, input="Hi", store=False)
-    with pytest.raises(openai.NotFoundError):
-        openai_client.responses.retrieve(response.id)
-
-
 def test_background_returns_at_once_and_is_fetched_when_done(openai_client):
-    started = create(openai_client, input="Say hello.", background=True)
+    # 24 tokens: the greeting ends inside them (cut by max_output_tokens the response would be incomplete).
+    started = create(openai_client, input="Say hello.", background=True, max_output_tokens=24)
     assert started.status in ("queued", "in_progress") and started.background is True
-    done = wait_until(lambda: (r := openai_client.responses.retrieve(started.id)).status == "completed" and r, 60,
-                      interval=0.2, what="the background response to complete")
+    done = wait_until(lambda: (r := openai_client.responses.retrieve(started.id)).status not in
+                      ("queued", "in_progress") and r, 60, interval=0.2, what="the background response to end")
+    assert done.status == "completed", (done.status, done.output_text)
     assert done.output_text and done.usage.output_tokens > 0
     follow_up = create(openai_client, input="And again?", previous_response_id=started.id)
     assert follow_up.usage.input_tokens > done.usage.input_tokens
@@ -134,9 +132,24 @@ def output_of(item) -> dict:
             "output": json.dumps({"temperature_c": 21, "sky": "sunny"})}
 
 
+@pytest.fixture(scope="module")
+def forced(service):
+    """The stored answer to WEATHER_QUESTION with tool_choice `choice` (NAMED or "required"), asked once per
+    module: the tests below compare with it or go on from it."""
+    client = openai.OpenAI(base_url=service.base_url + "/v1", api_key="unused", timeout=120, max_retries=0)
+    answers = {}
+
+    def get(choice):
+        key = json.dumps(choice, sort_keys=True)
+        if key not in answers:
+            answers[key] = call(client, tool_choice=choice)
+        return answers[key]
+    return get
+
+
 @pytest.mark.parametrize("choice", [NAMED, "required"])
-def test_a_forced_tool_choice_gives_a_function_call_item(openai_client, choice):
-    response = call(openai_client, tool_choice=choice)
+def test_a_forced_tool_choice_gives_a_function_call_item(forced, choice):
+    response = forced(choice)
     assert response.status == "completed", (response.status, response.output)
     the_call(response)
     assert response.output[-1].type == "function_call"
@@ -146,8 +159,8 @@ def test_a_forced_tool_choice_gives_a_function_call_item(openai_client, choice):
     assert echoed["tools"][0]["name"] == "get_weather"
 
 
-def test_the_streamed_call_is_the_plain_one(openai_client):
-    plain = call(openai_client, tool_choice=NAMED, store=False)
+def test_the_streamed_call_is_the_plain_one(openai_client, forced):
+    plain = forced(NAMED)
     events = list(call(openai_client, tool_choice=NAMED, store=False, stream=True))
     kinds = [e.type for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
@@ -166,8 +179,8 @@ def test_the_streamed_call_is_the_plain_one(openai_client):
     assert [e.item.id for e in events if e.type == "response.output_item.done"][-1] == item.id
 
 
-def test_a_call_answered_in_input_completes_with_text(openai_client):
-    first = call(openai_client, tool_choice=NAMED)
+def test_a_call_answered_in_input_completes_with_text(openai_client, forced):
+    first = forced(NAMED)
     item = the_call(first)
     answer = create(openai_client, model=TOOLS_MODEL, tools=[WEATHER], input=[
         {"role": "user", "content": WEATHER_QUESTION},
@@ -178,25 +191,17 @@ def test_a_call_answered_in_input_completes_with_text(openai_client):
     assert answer.usage.input_tokens > first.usage.input_tokens  # the call and its result were read
 
 
-def test_previous_response_id_answers_the_stored_call(openai_client):
-    first = call(openai_client, tool_choice="required")
-    item = the_call(first)
-    answer = create(openai_client, model=TOOLS_MODEL, tools=[WEATHER], previous_response_id=first.id,
-                    input=[output_of(item)])
-    assert answer.status in ("completed", "incomplete") and answer.output_text.strip(), answer.output
-    # The stored call came back as the assistant's turn: the prompt holds it and its result.
-    assert answer.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
-
-
-def test_a_background_call_is_fetched_like_a_plain_one(openai_client):
-    plain = call(openai_client, tool_choice=NAMED, store=False)
+def test_a_background_call_is_fetched_like_a_plain_one_and_answered_by_previous_response_id(openai_client, forced):
+    plain = forced(NAMED)
     started = call(openai_client, tool_choice=NAMED, background=True)
     done = wait_until(lambda: (r := openai_client.responses.retrieve(started.id)).status == "completed" and r, 60,
                       interval=0.2, what="the background response to complete")
     assert calls_of(done.output) == calls_of(plain.output)
-    follow_up = create(openai_client, model=TOOLS_MODEL, previous_response_id=started.id,
-                       input=[output_of(the_call(done))])
-    assert follow_up.output_text.strip()
+    answer = create(openai_client, model=TOOLS_MODEL, tools=[WEATHER], previous_response_id=started.id,
+                    input=[output_of(the_call(done))])
+    assert answer.status in ("completed", "incomplete") and answer.output_text.strip(), answer.output
+    # The stored call came back as the assistant's turn: the prompt holds it and its result.
+    assert answer.usage.input_tokens > done.usage.input_tokens + done.usage.output_tokens
 
 
 @pytest.mark.parametrize("kwargs, param, code", [

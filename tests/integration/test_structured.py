@@ -29,18 +29,20 @@ def city_format(schema: dict = CITY) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}}
 
 
-def test_json_schema_answers_always_validate_over_20_hot_samples(openai_client):
+def test_json_schema_answers_always_validate_over_8_hot_samples(openai_client):
     def ask(seed: int) -> list[tuple[str, str]]:
         response = openai_client.chat.completions.create(
             model=MODEL, messages=ASK, response_format=city_format(), temperature=1.0, n=4, max_tokens=128,
             seed=seed)
         return [(c.message.content, c.finish_reason) for c in response.choices]
 
-    # 5 requests x n=4 choices, sent at once: all 20 rows decode together in the batch (one after another
-    # they took five times the steps).
-    with ThreadPoolExecutor(5) as pool:
-        answers = [answer for choices in pool.map(ask, range(5)) for answer in choices]
-    assert len(answers) == 20
+    # 2 requests x n=4 choices, sent at once: all 8 rows decode together in the batch, two requests' grammars
+    # side by side. Every sample walks every kind of state the schema has (a bounded string, a bounded integer,
+    # a boolean, the closing brace), ~30 constrained steps each at temperature 1: a state the grammar let
+    # through would show in 8 samples as in 20 (the streamed and the async tests below add two more).
+    with ThreadPoolExecutor(2) as pool:
+        answers = [answer for choices in pool.map(ask, range(2)) for answer in choices]
+    assert len(answers) == 8
     for content, finish in answers:
         assert finish == "stop", (content, finish)
         jsonschema.validate(json.loads(content), CITY)
@@ -48,14 +50,15 @@ def test_json_schema_answers_always_validate_over_20_hot_samples(openai_client):
 
 
 def test_json_object_is_an_object(openai_client):
+    # A small object: the answer closes it (~25 tokens on this seed, and on seeds 2 to 4) and ends there, so the
+    # whole answer is parsed. Asked about cats in general the model nests objects until max_tokens, and the test
+    # could only check that the text began with "{".
     response = openai_client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Give me a JSON object about cats."}],
-        response_format={"type": "json_object"}, temperature=0.7, max_tokens=128, seed=3)
+        model=MODEL, messages=[{"role": "user", "content": "Give me a small JSON object with a cat's name."}],
+        response_format={"type": "json_object"}, temperature=0.7, max_tokens=96, seed=1)
     choice = response.choices[0]
-    if choice.finish_reason == "stop":
-        assert isinstance(json.loads(choice.message.content), dict)
-    else:  # cut by max_tokens: still a prefix of an object
-        assert choice.message.content.startswith("{")
+    assert choice.finish_reason == "stop", choice
+    assert isinstance(json.loads(choice.message.content), dict)
 
 
 def test_streamed_structured_answer_joins_to_valid_json(openai_client):

@@ -33,6 +33,14 @@ def ask(client, **extra):
     return client.chat.completions.create(model=MODEL, tools=[TIME, WEATHER], **extra)
 
 
+@pytest.fixture(scope="module")
+def named(service):
+    """The greedy answer with get_weather forced by name and no parallel calls, asked once: checked, streamed
+    alike (with parallel calls allowed: still one call) and answered."""
+    client = openai.OpenAI(base_url=service.base_url + "/v1", api_key="unused", timeout=120, max_retries=0)
+    return ask(client, tool_choice=NAMED, parallel_tool_calls=False)
+
+
 def test_the_model_lists_the_tools_capability(openai_client):
     models = {m.id: m for m in openai_client.models.list().data}
     assert "tools" in models[MODEL].model_extra["capabilities"]
@@ -40,8 +48,8 @@ def test_the_model_lists_the_tools_capability(openai_client):
 
 
 @pytest.mark.parametrize("choice", ["required", NAMED])
-def test_a_forced_call_is_parsed_into_tool_calls(openai_client, choice):
-    response = ask(openai_client, tool_choice=choice, parallel_tool_calls=False)
+def test_a_forced_call_is_parsed_into_tool_calls(openai_client, named, choice):
+    response = named if choice == NAMED else ask(openai_client, tool_choice=choice, parallel_tool_calls=False)
     choice0 = response.choices[0]
     assert choice0.finish_reason == "tool_calls"
     assert choice0.message.content is None
@@ -54,8 +62,8 @@ def test_a_forced_call_is_parsed_into_tool_calls(openai_client, choice):
     assert "paris" in arguments["city"].lower()
 
 
-def test_streamed_tool_call_deltas_assemble_to_the_same_call(openai_client):
-    plain = ask(openai_client, tool_choice=NAMED).choices[0].message.tool_calls[0]
+def test_streamed_tool_call_deltas_assemble_to_the_same_call(openai_client, named):
+    plain = named.choices[0].message.tool_calls[0]
     calls, content, finish = {}, "", None
     for chunk in ask(openai_client, tool_choice=NAMED, stream=True):
         if not chunk.choices:
@@ -76,13 +84,13 @@ def test_streamed_tool_call_deltas_assemble_to_the_same_call(openai_client):
     assert calls[0]["id"].startswith("call_")
 
 
-def test_the_tool_round_trip_completes(openai_client):
-    first = ask(openai_client, tool_choice=NAMED)
+def test_the_tool_round_trip_completes(openai_client, named):
+    first = named
     message = first.choices[0].message
     result = {"role": "tool", "tool_call_id": message.tool_calls[0].id,
               "content": json.dumps({"city": "Paris", "temperature_c": 18, "sky": "cloudy"})}
     conversation = ASK + [message.model_dump(exclude_none=True), result]
-    second = ask(openai_client, messages=conversation)
+    second = ask(openai_client, messages=conversation, max_tokens=16)
     answer = second.choices[0]
     assert answer.finish_reason in ("stop", "length") and answer.message.tool_calls is None
     assert answer.message.content.strip()
@@ -110,7 +118,7 @@ def test_an_async_job_keeps_its_tool_calls(api):
 
 
 def test_auto_lets_the_model_answer_in_text(openai_client):
-    answer = ask(openai_client, tool_choice="auto").choices[0]
+    answer = ask(openai_client, tool_choice="auto", max_tokens=16).choices[0]
     if answer.message.tool_calls is None:  # this untrained model answers in prose
         assert "<tool_call>" not in (answer.message.content or "") or answer.finish_reason == "length"
     else:
