@@ -29,23 +29,25 @@ def next_logits(model, cache, ids: list[int]) -> np.ndarray:
     return np.array(model(mx.array(ids)[None], cache=cache)[0, -1])
 
 
-@pytest.mark.parametrize("case", ["longer", "shorter", "exact"])
-def test_a_hit_resumes_as_a_fresh_prefill_would_and_leaves_the_entry_as_it_was(model, case):
-    kept = list(range(1000, 1128))  # its buffer (256 tokens) has room: a hit that wrote into it would show
+def test_a_hit_resumes_as_a_fresh_prefill_would_and_leaves_the_entry_as_it_was(model):
+    kept = list(range(1000, 1064))  # its buffer (256 tokens) has room: a hit that wrote into it would show
     cache = PromptCache(max_size=4)
     cache.insert_cache("m", kept, processed(model, kept))
-    entry = [np.array(c.keys[..., :128, :]) for c in cache._trie.get("m", kept).prompt_cache]
-    ids = {"longer": kept[:30] + list(range(7000, 7040)),  # only the start of a longer entry matches
-           "shorter": kept + list(range(7000, 7040)),  # the entry is a prefix of the new prompt
-           "exact": kept}[case]
-    got, rest = cache.fetch_nearest_cache("m", ids)
-    reused = len(ids) - len(rest)
-    assert reused == {"longer": 30, "shorter": 128, "exact": 128}[case]
-    if not rest:  # the whole prompt was cached: its last token is fed again (as the batch does)
-        trim_prompt_cache(got, 1)
-        rest, reused = ids[-1:], reused - 1
-    fresh = processed(model, ids[:reused])
-    np.testing.assert_allclose(next_logits(model, got, rest), next_logits(model, fresh, rest), atol=1e-4)
-    # Feeding the request's tokens made buffers of its own: the kept entry is untouched.
-    for before, layer in zip(entry, cache._trie.get("m", kept).prompt_cache, strict=True):
-        np.testing.assert_array_equal(before, np.array(layer.keys[..., :128, :]))
+    entry = [np.array(c.keys[..., :64, :]) for c in cache._trie.get("m", kept).prompt_cache]
+    new = list(range(7000, 7008))
+    # One entry, hit three ways in turn (each hit must leave it as it was for the next).
+    for case, ids, expected in [("longer", kept[:20] + new, 20),  # only the start of a longer entry matches
+                                ("shorter", kept + new, 64),  # the entry is a prefix of the new prompt
+                                ("exact", kept, 64)]:
+        got, rest = cache.fetch_nearest_cache("m", ids)
+        reused = len(ids) - len(rest)
+        assert reused == expected, case
+        if not rest:  # the whole prompt was cached: its last token is fed again (as the batch does)
+            trim_prompt_cache(got, 1)
+            rest, reused = ids[-1:], reused - 1
+        fresh = processed(model, ids[:reused])
+        np.testing.assert_allclose(next_logits(model, got, rest), next_logits(model, fresh, rest), atol=1e-4,
+                                   err_msg=case)
+        # Feeding the request's tokens made buffers of its own: the kept entry is untouched.
+        for before, layer in zip(entry, cache._trie.get("m", kept).prompt_cache, strict=True):
+            np.testing.assert_array_equal(before, np.array(layer.keys[..., :64, :]), err_msg=case)

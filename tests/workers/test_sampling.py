@@ -28,12 +28,20 @@ def draws(row: Row, probs, n: int) -> list[int]:
 
 
 def test_draws_follow_the_distribution_and_the_temperature():
-    counts = np.bincount(draws(Row(temperature=1.0, seed=1), PROBS, 4000), minlength=4) / 4000
-    assert np.abs(counts - PROBS).max() < 0.03, counts
-    # Temperature 0.5 squares the probabilities (renormalized): the likeliest gains.
+    # Twenty rows drawing 400 times each, in one batch (a sampling call per step, not per draw): ten at
+    # temperature 1, ten at 0.5, which squares the probabilities (renormalized): the likeliest gains.
     sharp = np.array(PROBS) ** 2 / sum(p * p for p in PROBS)
-    counts = np.bincount(draws(Row(temperature=0.5, seed=2), PROBS, 4000), minlength=4) / 4000
-    assert np.abs(counts - sharp).max() < 0.03, counts
+    batch = BatchSampler(len(PROBS))
+    batch.extend([Row(temperature=1.0 if i < 10 else 0.5, seed=i + 1) for i in range(20)], [[]] * 20)
+    tokens = np.array([batch.sample(logprobs(PROBS, 20)).tolist() for _ in range(400)])  # (step, row)
+    for rows, expected in ((slice(0, 10), np.array(PROBS)), (slice(10, 20), sharp)):
+        counts = np.bincount(tokens[:, rows].ravel(), minlength=4) / tokens[:, rows].size
+        assert np.abs(counts - expected).max() < 0.03, counts
+        # Each row's own stream follows it too (a row stuck on one token, or copying another, would not).
+        for row in tokens[:, rows].T:
+            counts = np.bincount(row, minlength=4) / len(row)
+            assert np.abs(counts - expected).max() < 0.1, counts
+    assert len({tuple(row) for row in tokens.T}) == 20  # twenty streams of their own
 
 
 @pytest.mark.parametrize(("row", "allowed"), [

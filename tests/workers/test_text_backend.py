@@ -24,11 +24,12 @@ GREEDY = Sampling(temperature=0.0, max_tokens=40)
 
 
 @pytest.fixture(scope="module")
-def models(models_dir):
-    """The worker's model manager, with the real backends' loaders (no Redis needed here)."""
+def models(models_dir, text_worker_parts):
+    """The worker's model manager, with the real backends' loaders (no Redis needed here; shared with
+    test_batching: tests/workers/conftest.py)."""
     if not (models_dir / MODEL / "config.json").exists():
         pytest.fail(f"demo model missing in {models_dir}: run `mlxq models pull-demo` first")
-    return build_scheduler(load_settings({"models_dir": models_dir}), "test-text").models
+    return text_worker_parts[0]
 
 
 @pytest.fixture(scope="module")
@@ -105,16 +106,6 @@ def test_max_tokens_finishes_with_length(models, info, tokenizer):
     assert len(tokenizer.encode(text, add_special_tokens=False)) == 5
 
 
-def test_seed_makes_sampling_reproducible(models, info):
-    def sample(seed):
-        pieces, _ = run(models, info, STORY, Sampling(temperature=1.0, top_p=0.95, max_tokens=8, seed=seed))
-        return "".join(p.text for p in pieces)
-
-    first = sample(1234)
-    assert sample(1234) == first
-    assert any(sample(seed) != first for seed in (1, 2, 3)), "different seeds should sample differently"
-
-
 def test_prompt_longer_than_the_context_is_refused(models, info):
     tiny = replace(info, context_length=8)
     with pytest.raises(ContextLengthExceeded, match="context length is 8"):
@@ -143,16 +134,19 @@ def test_stop_buffer_holds_back_possible_stop_prefixes():
     assert StopBuffer([]).feed("x") == ("x", False)
 
 
-def test_top_k_of_the_whole_vocabulary_samples_like_no_top_k(models, info):
-    # mlx-lm refuses top_k >= its vocabulary inside a compiled sampler; the backend treats it as no top_k.
-    vocab = info.vocab_size
-    whole = Sampling(temperature=0.8, top_k=vocab, seed=7, max_tokens=8)
-    _, final = run(models, info, STORY, whole)
-    _, unbounded = run(models, info, STORY, replace(whole, top_k=0))
-    assert final.tokens == unbounded.tokens == 8
-    pieces, _ = run(models, info, STORY, whole)
-    again, _ = run(models, info, STORY, replace(whole, top_k=0))
-    assert "".join(p.text for p in pieces) == "".join(p.text for p in again)
+def test_seed_makes_sampling_reproducible_and_top_k_of_the_whole_vocabulary_is_no_top_k(models, info):
+    # mlx-lm refuses top_k >= its vocabulary inside a compiled sampler; the backend treats it as no top_k:
+    # the same seed then draws the same text with either, which also shows the seed reproduces its draws.
+    whole = Sampling(temperature=0.8, top_k=info.vocab_size, seed=1234, max_tokens=8)
+
+    def sample(sampling) -> tuple[str, int]:
+        pieces, final = run(models, info, STORY, sampling)
+        return "".join(p.text for p in pieces), final.tokens
+
+    first = sample(whole)
+    assert first[1] == 8 and sample(replace(whole, top_k=0)) == first
+    assert any(sample(replace(whole, seed=seed))[0] != first[0] for seed in (1, 2, 3)), \
+        "different seeds should sample differently"
 
 
 def test_sampling_leaves_mlx_global_random_state_alone(models, info):
