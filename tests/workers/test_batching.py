@@ -43,8 +43,7 @@ from workers.scheduler import Scheduler
 MODEL = "smollm2-135m"
 SYSTEM = {"role": "system", "content": "You are a patient teacher who answers in plain words, briefly."}
 FOX = "the quick brown fox jumps over the lazy dog. "
-LONG_PROMPT = "Summarise this: " + FOX * 28  # ~310 tokens: five chunks of small_chunks' 64
-MIDDLE_PROMPT = "Summarise this: " + FOX * 16  # ~190 tokens: three chunks of small_chunks' 64
+LONG_PROMPT = "Summarise this: " + FOX * 16  # ~190 tokens: three chunks of small_chunks' 64
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "Why is the sky blue?",
              "What do bees make?", "Count from one to five.", "What is rain?"]
 
@@ -149,7 +148,7 @@ def test_requests_decode_together_and_each_gives_what_it_gives_alone(redis_conn,
     stop = long_answer.split()[4]  # a word in the middle of the answer
     stopped, short, full = (chat(settings, QUESTIONS[2], stop=(stop,)), chat(settings, QUESTIONS[2], max_tokens=5),
                             chat(settings, QUESTIONS[2]))
-    choices = chat(settings, QUESTIONS[2], max_tokens=8, n=3, temperature=0.9, seed=5)
+    choices = chat(settings, QUESTIONS[2], max_tokens=4, n=3, temperature=0.9, seed=5)
     everyone = [*requests, victim, stopped, short, full, choices]
     for request in everyone:
         submit(redis_conn, settings, request)
@@ -175,7 +174,7 @@ def test_requests_decode_together_and_each_gives_what_it_gives_alone(redis_conn,
     data = done(redis_conn, choices.id)
     assert [c["index"] for c in data["choices"]] == [0, 1, 2]
     assert len(set(texts(data))) > 1  # three draws, not one answer thrice
-    assert 3 <= data["usage"]["completion_tokens"] <= 24 and data["usage"]["prompt_tokens"] < 60  # the prompt once
+    assert 3 <= data["usage"]["completion_tokens"] <= 12 and data["usage"]["prompt_tokens"] < 60  # the prompt once
     # Each gives what it gives alone (the n request too: seeded, reproducible).
     for request in [*requests, choices]:
         assert texts(done(redis_conn, request.id)) == texts(alone(request))
@@ -341,7 +340,7 @@ def test_a_long_prompt_is_processed_in_chunks_between_the_others_tokens(redis_co
     [batch] = run.text.values()
     ours = next(m for t, m in batch.members.items() if t.request.id == short.id).sequences[0]
     theirs = next(m for t, m in batch.members.items() if t.request.id == long_prompt.id).sequences[0]
-    assert theirs.prompt_tokens > 4 * textbatch.PREFILL_CHUNK  # several chunks of prefill
+    assert theirs.prompt_tokens > 2 * textbatch.PREFILL_CHUNK  # several chunks of prefill
     without_token = chunks = 0
     while not theirs.tokens and not ours.finish_reason:
         before, tokens_before = ours.tokens, processed[0]
@@ -359,7 +358,7 @@ def test_a_long_prompt_is_processed_in_chunks_between_the_others_tokens(redis_co
 @pytest.mark.parametrize(("question", "sampling", "joined_while"), [
     (QUESTIONS[2], {}, "decoding"),
     (QUESTIONS[4], MIXED[4], "decoding"),  # seeded, with a penalty
-    (MIDDLE_PROMPT, {"max_tokens": 4}, "prefilling"),
+    (LONG_PROMPT, {"max_tokens": 4}, "prefilling"),
 ])
 def test_a_request_decoding_alone_is_taken_over_by_the_batch_with_the_same_text(
         redis_conn, settings, worker_parts, small_chunks, prepared_when_taken, alone, question, sampling,
