@@ -51,7 +51,7 @@ def test_streamed_logprobs_are_the_plain_ones(openai_client, greedy):
 
 
 def test_sampled_choices_in_a_batch_carry_their_own(openai_client):
-    response = chat(openai_client, logprobs=True, top_logprobs=1, n=3, temperature=1.0, seed=7, max_tokens=16)
+    response = chat(openai_client, logprobs=True, top_logprobs=1, n=3, temperature=1.0, seed=7, max_tokens=8)
     assert len(response.choices) == 3
     for choice in response.choices:
         entries = choice.logprobs.content
