@@ -155,6 +155,7 @@ def test_every_response_format(openai_client, api, service, clips, fmt):
     assert spool_jobs(service) <= before  # the upload is gone once the answer is out
     if fmt in ("json", "verbose_json"):
         assert raw.headers["content-type"].startswith("application/json")
+        assert "logprobs" not in raw.http_response.json()  # not asked for (include[]=logprobs)
         assert_wer(body.text, clips["birds"])
         if fmt == "verbose_json":
             assert body.language.startswith("en") and body.duration == pytest.approx(duration_s(clips["birds"]),

@@ -1,6 +1,7 @@
 """include[]=logprobs through the API: the official openai client gets each text token's log-probability in
 `json` and in the stream's events, an async job keeps them in its result, and a format with no room for them
-is refused (on sentences of the fixtures: what is checked is per token, not per minute)."""
+is refused (on sentences of the fixtures: what is checked is per token, not per minute). Without include[]
+there are none: test_transcription's test_every_response_format checks it in json and verbose_json."""
 
 from __future__ import annotations
 
@@ -41,12 +42,6 @@ def test_openai_client_stream_with_logprobs(openai_client, clips):  # noqa: F811
     for delta in deltas:
         assert_entries([e.model_dump() for e in delta.logprobs], delta.delta)
     assert [e.model_dump() for e in done.logprobs] == [e.model_dump() for d in deltas for e in d.logprobs]
-
-
-def test_without_include_there_are_no_logprobs(api, clips):  # noqa: F811
-    response = transcribe_sync(api, clips["birds"], response_format="verbose_json")
-    assert response.status_code == 200, response.text
-    assert "logprobs" not in response.json()
 
 
 def test_an_async_batched_job_keeps_them(api, clips):  # noqa: F811
