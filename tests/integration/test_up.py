@@ -153,46 +153,13 @@ def test_a_child_that_cannot_stay_up_ends_the_stack_with_its_code(monkeypatch):
     stack.stop()
 
 
-def test_up_restarts_a_killed_worker(bare_env, tmp_path):
-    port = free_port()
-    log_path = tmp_path / "up.log"
-    with open(log_path, "wb") as log:
-        up = subprocess.Popen([sys.executable, "-m", "mlxq.cli", "up", "--port", str(port), "--web-workers", "1"],
-                              env=bare_env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
-    everything: set[int] = set()
-    try:
-        wait_until(lambda: _ready(api), READY_WITHIN_S, interval=0.5, what="mlxq up to be ready")
-        assert "embedded valkey-server" in log_path.read_text()
-        everything.update(_descendants(up.pid))
-        old_worker = _worker_pid(up.pid)
-        os.kill(old_worker, signal.SIGKILL)
-        killed_at = time.monotonic()
-
-        new_worker = wait_until(lambda: (p := _worker_pid(up.pid)) not in (None, old_worker) and p,
-                                RESTARTED_WITHIN_S, interval=0.2, what="a new worker process")
-        assert time.monotonic() - killed_at < RESTARTED_WITHIN_S
-        # Until the new worker has warmed its model a chat is refused (503 no_worker, Retry-After), as a
-        # client that follows Retry-After sees it; /ready alone may still count the dead worker's key. How
-        # long the warm-up takes is the machine's load, not the supervisor's: it is waited for, not timed.
-        wait_until(lambda: _chat_answered(api), READY_WITHIN_S, interval=0.5, what="a chat to be answered")
-        text = log_path.read_text()
-        assert f"worker (pid {old_worker}) exited with code -9" in text and f"worker restarted (pid {new_worker})" in text
-        everything.update(_descendants(up.pid))
-    finally:
-        api.close()
-        if up.poll() is None:
-            up.send_signal(signal.SIGTERM)
-        code = up.wait(60)
-    assert code == 0, log_path.read_text()[-3000:]
-    leftovers = [(pid, _cmdline(pid)) for pid in everything if _alive(pid)]
-    assert not leftovers, leftovers
-
-
-def test_two_instances_on_one_machine_keep_their_own_redis(bare_env, tmp_path):
+def test_two_instances_keep_their_own_redis_and_a_killed_worker_is_restarted(bare_env, tmp_path):
     """Two `mlxq up` sharing one store (as on one machine), each REDIS_URL on a port where nothing answers:
-    each starts its Redis there, with a data directory of its own, and neither sees the other's jobs."""
+    each starts its Redis there, with a data directory of its own, and neither sees the other's jobs. Then the
+    first one's worker, killed with -9 once it serves, is restarted, and Ctrl-C's SIGTERM stops each stack
+    with code 0, leaving no process behind (one pair of stacks for both stories: each start loads a model)."""
     instances = []
+    everything: set[int] = set()
     try:
         for name in ("a", "b"):
             env = {**bare_env, "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
@@ -201,27 +168,51 @@ def test_two_instances_on_one_machine_keep_their_own_redis(bare_env, tmp_path):
                 argv = [sys.executable, "-m", "mlxq.cli", "up", "--port", str(port), "--web-workers", "1"]
                 up = subprocess.Popen(argv, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
                                       start_new_session=True)
-            instances.append((up, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30), env["REDIS_URL"]))
+            instances.append((up, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60), env["REDIS_URL"]))
         for up, api, _ in instances:  # the web tier answering is enough: async jobs queue without a worker
             wait_until(functools.partial(_healthy, api, up), 120, interval=0.2, what="the web tier to answer")
-        (_, api_a, url_a), (_, api_b, url_b) = instances
-        job = api_a.post("/v1/jobs/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+        (up_a, api_a, url_a), (up_b, api_b, url_b) = instances
+        job = api_b.post("/v1/jobs/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
                                                              "max_tokens": 1})
         assert job.status_code == 202, job.text
-        assert api_a.get(job.json()["links"]["self"]).status_code in (200, 202)
-        assert api_b.get(job.json()["links"]["self"]).status_code == 404
+        assert api_b.get(job.json()["links"]["self"]).status_code in (200, 202)
+        assert api_a.get(job.json()["links"]["self"]).status_code == 404
         dirs = [Path(redis.Redis.from_url(url).config_get("dir")["dir"]) for url in (url_a, url_b)]
         home = tmp_path / "mlxq" / "redis"
         assert dirs == [home / str(urlsplit(url_a).port), home / str(urlsplit(url_b).port)]
         base = str(api_a.base_url).rstrip("/")  # the banner names this instance's page and Swagger UI
-        banner = (tmp_path / "up-a.log").read_text()
+        log_a = tmp_path / "up-a.log"
+        banner = log_a.read_text()
         assert f"Page        {base}/\n" in banner and f"Swagger UI  {base}/docs\n" in banner, banner
+        assert "embedded valkey-server" in banner
+        everything.update(_descendants(up_b.pid))
+        up_b.send_signal(signal.SIGTERM)  # done with: it stops while the first one goes on
+
+        wait_until(lambda: _ready(api_a), READY_WITHIN_S, interval=0.2, what="mlxq up to be ready")
+        everything.update(_descendants(up_a.pid))
+        old_worker = _worker_pid(up_a.pid)
+        os.kill(old_worker, signal.SIGKILL)
+        killed_at = time.monotonic()
+
+        new_worker = wait_until(lambda: (p := _worker_pid(up_a.pid)) not in (None, old_worker) and p,
+                                RESTARTED_WITHIN_S, interval=0.2, what="a new worker process")
+        assert time.monotonic() - killed_at < RESTARTED_WITHIN_S
+        # Until the new worker has warmed its model a chat is refused (503 no_worker, Retry-After), as a
+        # client that follows Retry-After sees it; /ready alone may still count the dead worker's key. How
+        # long the warm-up takes is the machine's load, not the supervisor's: it is waited for, not timed.
+        wait_until(lambda: _chat_answered(api_a), READY_WITHIN_S, interval=0.2, what="a chat to be answered")
+        text = log_a.read_text()
+        assert f"worker (pid {old_worker}) exited with code -9" in text and f"worker restarted (pid {new_worker})" in text
+        everything.update(_descendants(up_a.pid))
     finally:
         for up, api, _ in instances:
             api.close()
-            up.send_signal(signal.SIGTERM)
+            if up.poll() is None:
+                up.send_signal(signal.SIGTERM)
         codes = [up.wait(60) for up, _, _ in instances]
-    assert codes == [0, 0], [(tmp_path / f"up-{n}.log").read_text()[-2000:] for n in ("a", "b")]
+    assert codes == [0] * len(instances), [(tmp_path / f"up-{n}.log").read_text()[-2000:] for n in ("a", "b")]
+    leftovers = [(pid, _cmdline(pid)) for pid in everything if _alive(pid)]
+    assert not leftovers, leftovers
 
 
 def _healthy(api: httpx.Client, up: subprocess.Popen) -> bool:

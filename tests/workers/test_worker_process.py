@@ -281,22 +281,24 @@ def first_delta(conn, job_id, timeout: float = 60) -> None:
                what=f"the first delta of {job_id}")
 
 
-def test_worker_process_answers_a_chat_job_and_sigterm_lets_the_running_job_finish(spawn, redis_conn, settings):
-    # One process for both (each start loads the model): it answers, then a SIGTERM mid-job ends it cleanly.
+def test_worker_process_answers_chat_jobs_and_sigterm_lets_the_running_ones_finish(spawn, redis_conn, settings):
+    # One process for both stories (each start loads the model): two chats decode together, and a SIGTERM
+    # while they run ends the process cleanly once both are answered.
     worker = spawn(redis_conn)
-    job_id = submit(redis_conn, settings, chat_request(settings, FRANCE))
-    done = terminal(redis_conn, job_id, 60)
-    assert done["type"] == "done", worker.tail()
-    assert "Paris" in done["data"]["choices"][0]["text"]
-    assert deltas(redis_conn, job_id) == done["data"]["choices"][0]["text"]
-    log = worker.log_path.read_text()
-    assert f"worker {worker.name} on queues interactive,batch" in log and "BLAS" in log and "budget" in log
-
-    job_id = submit(redis_conn, settings, chat_request(settings, LONG, max_tokens=30))
-    first_delta(redis_conn, job_id)
+    france_id = submit(redis_conn, settings, chat_request(settings, FRANCE))
+    long_id = submit(redis_conn, settings, chat_request(settings, LONG, max_tokens=30))
+    first_delta(redis_conn, long_id)  # taken after the first (one queue, in order): both are running
     worker.process.send_signal(signal.SIGTERM)
     assert worker.process.wait(120) == 0, worker.tail()
-    done = terminal(redis_conn, job_id, 1)
+
+    done = terminal(redis_conn, france_id, 1)
+    assert done["type"] == "done", worker.tail()
+    assert "Paris" in done["data"]["choices"][0]["text"]
+    assert deltas(redis_conn, france_id) == done["data"]["choices"][0]["text"]
+    done = terminal(redis_conn, long_id, 1)
     assert done["type"] == "done" and done["data"]["choices"][0]["finish_reason"] == "length"
-    assert fetch_job(redis_conn, job_id).get_status() == JobStatus.FINISHED
+    assert deltas(redis_conn, long_id) == done["data"]["choices"][0]["text"]
+    assert [fetch_job(redis_conn, i).get_status() for i in (france_id, long_id)] == [JobStatus.FINISHED] * 2
     assert not redis_conn.exists(worker.alive_key), "a clean exit removes the liveness key"
+    log = worker.log_path.read_text()
+    assert f"worker {worker.name} on queues interactive,batch" in log and "BLAS" in log and "budget" in log
