@@ -125,13 +125,15 @@ def step_until(run: Scheduler, condition, limit: int = 5000) -> None:
 
 
 MIXED = [  # what clients send: greedy, the APIs' default temperature, filters, penalties, a bias
-    {}, {"temperature": 1.0, "seed": 1, "max_tokens": 8}, {"temperature": 0.7, "top_p": 0.9, "seed": 2, "max_tokens": 8},
-    {"temperature": 0.8, "top_k": 40, "seed": 3, "max_tokens": 8}, {"temperature": 0.9, "repetition_penalty": 1.3, "seed": 4},
-    {"temperature": 1.0, "presence_penalty": 1.5, "frequency_penalty": 0.5, "seed": 5, "max_tokens": 8},
-    {"temperature": 0.6, "min_p": 0.1, "logit_bias": ((13, -100.0), (30, 5.0)), "seed": 6, "max_tokens": 8},
+    {"max_tokens": 4}, {"temperature": 1.0, "seed": 1, "max_tokens": 6},
+    {"temperature": 0.7, "top_p": 0.9, "seed": 2, "max_tokens": 6},
+    {"temperature": 0.8, "top_k": 40, "seed": 3, "max_tokens": 6}, {"temperature": 0.9, "repetition_penalty": 1.3, "seed": 4},
+    {"temperature": 1.0, "presence_penalty": 1.5, "frequency_penalty": 0.5, "seed": 5, "max_tokens": 6},
+    {"temperature": 0.6, "min_p": 0.1, "logit_bias": ((13, -100.0), (30, 5.0)), "seed": 6, "max_tokens": 6},
     {"max_tokens": 4},
-]  # (the seeded rows ask 8 tokens: a row that drew from another's stream shows in its first few; the one with
-#     a penalty asks 12, as the takeover test's request does, so that one answer alone serves both)
+]  # (few tokens each: a row that drew from another's stream, or another's argmax, shows in its first few, and
+#     rows still decode after others have left; the one with a penalty asks 12, as the takeover test's
+#     request does, so that one answer alone serves both, and the batch decodes 12 steps for the rows below)
 
 
 def test_requests_decode_together_and_each_gives_what_it_gives_alone(redis_conn, settings, worker_parts,
@@ -193,7 +195,8 @@ def second_model(tmp_path_factory, models_dir):
 
 def test_a_second_models_requests_decode_in_a_batch_of_their_own(redis_conn, settings, worker_parts,
                                                                  second_model, alone):
-    ours = [chat(settings, QUESTIONS[0]), chat(settings, QUESTIONS[1], max_tokens=4), chat(settings, QUESTIONS[2])]
+    ours = [chat(settings, QUESTIONS[0], max_tokens=4), chat(settings, QUESTIONS[1], max_tokens=4),
+            chat(settings, QUESTIONS[2])]
     theirs = [chat(settings, q, model=second_model, max_tokens=8) for q in QUESTIONS[3:]]
     for request in ours + theirs:
         submit(redis_conn, settings, request)
