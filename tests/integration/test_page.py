@@ -92,6 +92,8 @@ def test_chat_streams_an_answer(browser, service):
 
     browser.get(service.base_url + "/")
     _wait(browser, lambda b: b.find_elements(By.CSS_SELECTOR, "#chat-model option"), "the chat models")
+    # The default is a text model (the demo LLM), not the toy vision model that sorts first.
+    assert browser.find_element(By.ID, "chat-model").get_attribute("value") == "smollm2-135m"
     browser.find_element(By.ID, "chat-input").send_keys("What is the capital of France?")
     browser.find_element(By.ID, "chat-send").click()
     done = _wait(browser, lambda b: b.find_elements(By.CSS_SELECTOR, "#chat-log .msg.done"), "the whole answer")

@@ -56,7 +56,8 @@ async function loadModels() {
   try {
     const models = (await (await api("/v1/models")).json()).data;
     fill($("speech-model"), models.filter((m) => m.kind === "speech"));
-    fill($("chat-model"), models.filter((m) => m.kind === "text" || m.kind === "vision"));
+    // Text models first: the first one is the chat's default, and a vision model answers text more slowly.
+    fill($("chat-model"), [...models.filter((m) => m.kind === "text"), ...models.filter((m) => m.kind === "vision")]);
   } catch (error) {
     $("job-status").textContent = `Cannot list models: ${error.message}`;
   }
