@@ -13,7 +13,9 @@ It runs no stop tokens, so each of its rows gives exactly `--max-tokens` tokens.
 Reported per workload, N and contestant: aggregate tokens/s (every request's completion tokens
 over the wall time from the first request, or insert, to the last token), time to first token
 p50/p99, and failed requests (an HTTP error, a dropped connection or a stream that ended without
-its last chunk), each the median of `--rounds` rounds (failures: the sum); then the ratios of
+its last chunk), each the median of `--rounds` rounds (failures: the sum), and for the servers each
+process's CPU seconds per second of the round (Linux: a process near 1.0 per core it can use is the
+limit); then the ratios of
 issue 31: mlxq sampled and mixed ÷ mlxq greedy, and mlxq ÷ mlx_lm.server and ÷ direct per workload.
 Rounds alternate: within a round every workload runs on every contestant in turn (rotating order),
 one at a time, so none shares the machine with another's work and drift moves all alike; the
