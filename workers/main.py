@@ -161,16 +161,16 @@ class Heartbeat:
             log.warning("could not unregister: %s", exc)
 
     def _run(self) -> None:
-        wait, failing = self.settings.worker_heartbeat_s, False
+        wait = self.settings.worker_heartbeat_s
         while not self._stop.wait(wait):
             try:
                 self.beat()
-                wait, failing = self.settings.worker_heartbeat_s, False
+                wait = self.settings.worker_heartbeat_s
             except redis.RedisError as exc:  # keep beating: Redis may come back before the key expires
-                if not failing:
+                if wait != BEAT_RETRY_S:  # the first failure of this outage
                     log.warning("heartbeat failed: %s; trying again every %gs until Redis answers", exc, BEAT_RETRY_S)
                 log.debug("heartbeat failed: %s", exc)
-                wait, failing = BEAT_RETRY_S, True
+                wait = BEAT_RETRY_S
 
     def state(self, active: list) -> dict:
         """What the admin API and /metrics show of this worker (read from the scheduler's thread-safe views)."""
