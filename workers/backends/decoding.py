@@ -37,6 +37,19 @@ class Slot:
 
 
 @dataclass
+class Joining:
+    """A sequence about to join: `cache` holds `fed`, its prompt but `last`, which its first step feeds."""
+
+    key: object
+    cache: list
+    fed: list[int]
+    last: int
+    budget: int
+    row: Row
+    logprobs: bool = False
+
+
+@dataclass
 class Token:
     """What a step hands out for one sequence."""
 
@@ -66,23 +79,35 @@ class DecodeBatch:
     def insert(self, key, cache: list, fed: list[int], last: int, budget: int, row: Row,
                logprobs: bool = False) -> None:
         """Add a sequence: `cache` holds `fed`, its prompt but `last`, which the next step feeds."""
+        self.insert_many([Joining(key, cache, fed, last, budget, row, logprobs)])
+
+    def insert_many(self, joining: list[Joining]) -> None:
+        """Add several sequences at once: their caches merge into the batch's in one operation per layer
+        (one by one, 64 sequences joining together queued ~10,000 small copies for the next step)."""
+        if not joining:
+            return
         with mx.stream(self.stream):
-            if not self.slots:
-                self.cache, self.batched = cache, False
+            caches = [j.cache for j in joining]
+            if not self.slots and len(joining) == 1:
+                self.cache, self.batched = caches[0], False
             else:
-                if not self.batched:
-                    self.cache = [type(c).merge([c]) for c in self.cache]
-                    self.batched = True
-                for mine, theirs in zip(self.cache, cache, strict=True):
-                    mine.extend(type(theirs).merge([theirs]))
-            first = mx.array([last], mx.uint32)
+                new = [type(layer[0]).merge(list(layer)) for layer in zip(*caches, strict=True)]
+                if not self.slots:
+                    self.cache = new
+                else:
+                    if not self.batched:
+                        self.cache = [type(c).merge([c]) for c in self.cache]
+                    for mine, theirs in zip(self.cache, new, strict=True):
+                        mine.extend(theirs)
+                self.batched = True
+            first = mx.array([j.last for j in joining], mx.uint32)
             self.inputs = first if self.inputs is None else mx.concatenate([self.inputs, first])
-            if self.input_logprobs is not None:  # its first input was not drawn: a row of zeros
+            if self.input_logprobs is not None:  # their first inputs were not drawn: rows of zeros
                 self.input_logprobs = mx.concatenate([self.input_logprobs,
-                                                      mx.zeros((1, self.input_logprobs.shape[-1]),
+                                                      mx.zeros((len(joining), self.input_logprobs.shape[-1]),
                                                                self.input_logprobs.dtype)])
-        self.slots.append(Slot(key, budget, list(fed), logprobs))
-        self.sampler.extend([row], [fed])
+        self.slots += [Slot(j.key, j.budget, list(j.fed), j.logprobs) for j in joining]
+        self.sampler.extend([j.row for j in joining], [j.fed for j in joining])
 
     def step(self) -> list[Token]:
         """Queue the next forward pass, then hand out each sequence's token from the last one (none for

@@ -18,9 +18,10 @@ from jobs.errors import ModelTooLarge
 from workers.backends import textgen
 
 PREPARE_WAIT_S = 0.002
-"""How long joining waits for a request's preparation (a short chat's takes about a millisecond on a
-quiet machine, and then starts at the next step); longer ones finish while the batch steps: on a GPU
-a step takes milliseconds, and waiting here would hold everyone's next token."""
+"""How long a batch's step waits for the preparations of the requests taken since the last one (a short
+chat's takes about a millisecond on a quiet machine, and then starts at this step): one wait for all
+of them; longer ones finish while the batch steps: on a GPU a step takes milliseconds, and waiting here
+would hold everyone's next token."""
 
 IDLE_WAIT_S = 0.02
 """With nothing to decode or process, how long a batch's step waits for a preparation to finish."""
