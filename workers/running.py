@@ -41,18 +41,34 @@ class Task:
 
 def finish(task: Task, outcome: Outcome) -> None:
     """End a task with its answer (the job's end, then its RQ job)."""
-    task.run.finish(outcome.done, outcome.result, outcome.before)
-    rqjobs.succeed(task.job, task.execution, outcome.done)
-    worker_metrics.job_ended(task.run.conn, task, outcome.done, None)
-    log.info("finished %s in %.2fs", task.job.id, time.monotonic() - task.started)
+    record(task, outcome, tell(task, outcome))
 
 
 def fail(task: Task, exc: BaseException) -> None:
     """End a task with the error `exc` means to a client."""
-    data = task.run.fail(exc)
-    rqjobs.fail(task.job, task.execution, f"{data['code']}: {data['message']}")
-    worker_metrics.job_ended(task.run.conn, task, None, exc)
-    log.info("failed %s: %s %s", task.job.id, data["status"], data["code"])
+    record(task, exc, tell(task, exc))
+
+
+def tell(task: Task, result: Outcome | BaseException) -> dict | None:
+    """The job's end as its client sees it (record, webhook, terminal event); the error event's data, if
+    it failed. `record` must follow: several tasks ending at one step are all told first, then recorded
+    (their clients' answers do not wait for each other's bookkeeping)."""
+    if isinstance(result, Outcome):
+        task.run.finish(result.done, result.result, result.before)
+        return None
+    return task.run.fail(result)
+
+
+def record(task: Task, result: Outcome | BaseException, data: dict | None) -> None:
+    """Record a told task's end in RQ and the metrics (`data`: what `tell` returned)."""
+    if isinstance(result, Outcome):
+        rqjobs.succeed(task.job, task.execution, result.done)
+        worker_metrics.job_ended(task.run.conn, task, result.done, None)
+        log.info("finished %s in %.2fs", task.job.id, time.monotonic() - task.started)
+    else:
+        rqjobs.fail(task.job, task.execution, f"{data['code']}: {data['message']}")
+        worker_metrics.job_ended(task.run.conn, task, None, result)
+        log.info("failed %s: %s %s", task.job.id, data["status"], data["code"])
 
 
 def resumable(task: Task) -> bool:

@@ -36,7 +36,7 @@ from workers.admission import Admission
 from workers.backends.base import Outcome
 from workers.backends.prompt_cache import PromptCache
 from workers.backends.textbatch import TextBatch, batchable
-from workers.running import Task, fail, finish, hand_back, resumable
+from workers.running import Task, fail, finish, hand_back, record, resumable, tell
 
 log = logging.getLogger(__name__)
 
@@ -177,8 +177,7 @@ class Scheduler:
             if now - task.started > task.timeout_s:
                 batch.remove(task)
                 ended.append((task, JobTimeout(f"the job ran past its time limit of {task.timeout_s:g}s")))
-        for task, result in ended:
-            self._end(task, result)
+        self._end_many(ended)
         if not len(batch):
             self._drop_batch(batch)
 
@@ -219,6 +218,14 @@ class Scheduler:
         else:
             fail(task, result)
         self.release(task)
+
+    def _end_many(self, ended: list[tuple[Task, Outcome | BaseException]]) -> None:
+        """End the tasks of one step: every client is told first, then each end is recorded (64 chats
+        ending together would otherwise each wait for the RQ bookkeeping of those before them)."""
+        told = [(task, result, tell(task, result)) for task, result in ended]
+        for task, result, data in told:
+            record(task, result, data)
+            self.release(task)
 
     def _hand_back(self, task: Task) -> None:
         """Stop a resumable task between pieces: a continuation goes on from its checkpoint."""
