@@ -58,6 +58,20 @@ def claim(queue: Queue, job_id: str) -> Job | None:
         return None
 
 
+def claim_many(queue: Queue, job_ids: list[str]) -> list[Job]:
+    """Take these jobs off their queue in two round trips, however many (those another worker took first,
+    or that expired, are left out); in queue order."""
+    if not job_ids:
+        return []
+    with queue.connection.pipeline(transaction=False) as pipe:
+        for job_id in job_ids:
+            queue.remove(job_id, pipeline=pipe)  # LREM: exactly one worker removes each
+        removed = pipe.execute()
+    mine = [job_id for job_id, count in zip(job_ids, removed, strict=True) if count]
+    jobs = Job.fetch_many(mine, connection=queue.connection, serializer=JSONSerializer) if mine else []
+    return [job for job in jobs if job is not None]
+
+
 def payload(job: Job) -> dict:
     """The request an RQ job carries (its one argument; {} when it carries none)."""
     return job.args[0] if job.args and isinstance(job.args[0], dict) else {}

@@ -53,6 +53,17 @@ def test_a_failed_job_keeps_its_reason(redis_conn, settings):
     assert taken.started_job_registry.get_job_ids(cleanup=False) == []
 
 
+def test_claim_many_takes_exactly_the_jobs_still_queued_in_queue_order(redis_conn, settings):
+    for job_id in ("job-a", "job-b", "job-c", "job-d"):
+        _queued(redis_conn, settings, job_id)
+    queue = queues.get_queue(queues.INTERACTIVE, redis_conn)
+    assert rqjobs.claim(queue, "job-b").id == "job-b"  # another worker took this one first
+    taken = rqjobs.claim_many(queue, ["job-a", "job-b", "job-d", "job-gone"])
+    assert [job.id for job in taken] == ["job-a", "job-d"]
+    assert queue.get_job_ids() == ["job-c"]
+    assert rqjobs.claim_many(queue, ["job-a"]) == [] and rqjobs.claim_many(queue, []) == []
+
+
 def test_the_worker_is_listed_as_rq_dashboard_lists_workers(redis_conn):
     worker = rqjobs.register([Queue(queues.INTERACTIVE, connection=redis_conn)], redis_conn, "mlxq-test")
     assert [w.name for w in Worker.all(connection=redis_conn, serializer=JSONSerializer)] == ["mlxq-test"]
