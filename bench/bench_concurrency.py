@@ -47,6 +47,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from bench.bench_text import (  # noqa: E402
     Direct,
+    mlxq_name,
+    other_mlxq_settings,
     reexec_with_worker_blas,
     same_weights_everywhere,
     start_mlx_lm_server,
@@ -315,7 +317,30 @@ def measure(contestants: list, workloads: list[str], counts: list[int], args, si
                     rounds[workload, c.name].append(run_round(c, workload, n, args.max_tokens, args.temperature))
         for (workload, name), runs in rounds.items():
             results[workload].setdefault(name, {})[str(n)] = combine(runs)
+        if args.profile:
+            for workload in workloads:
+                profiled_round(contestants[0], workload, n, args)
     return results, single_runs
+
+
+def profiled_round(server, workload: str, n: int, args) -> None:
+    """One more round on mlxq, unmeasured, with py-spy sampling its worker (every thread, native frames
+    too): args.profile/worker-WORKLOAD-N.txt holds the collapsed stacks (`frames count` per line)."""
+    import subprocess
+
+    args.profile.mkdir(parents=True, exist_ok=True)
+    worker = next(proc for proc in server.procs if proc.name.endswith("worker"))
+    out = args.profile / f"worker-{workload}-{n}.txt"
+    spy = subprocess.Popen(["py-spy", "record", "--pid", str(worker.process.pid), "--rate", "200", "--threads",
+                            "--native", "--format", "raw", "--output", str(out)], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.STDOUT)
+    time.sleep(1.0)  # py-spy attaches
+    try:
+        for _ in range(2):
+            run_round(server, workload, n, args.max_tokens, args.temperature)
+    finally:
+        spy.send_signal(2)  # SIGINT: py-spy writes what it has and exits
+        spy.wait(60)
 
 
 def parse_args() -> argparse.Namespace:
@@ -331,9 +356,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--direct", action=argparse.BooleanOptionalAction, default=True,
                         help="mlx-lm's BatchGenerator in this process, one shared sampler (the engine's ceiling)")
     parser.add_argument("--control", action="store_true", help="a second mlx_lm.server, as a control")
+    parser.add_argument("--server", action=argparse.BooleanOptionalAction, default=True,
+                        help="mlx_lm.server as a contestant (--no-server: mlxq against itself and the engine only)")
+    parser.add_argument("--also", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
+                        help="also run another mlxq with these environment settings (repeatable), e.g. "
+                             "PYTHONPATH=OLD_CHECKOUT for before against after in one run")
+    parser.add_argument("--profile", type=Path, metavar="DIR",
+                        help="after each N's rounds, two more (unmeasured) on mlxq per workload with py-spy on its worker")
     parser.add_argument("--web-workers", type=int, default=2, help="mlxq's gunicorn processes (`mlxq up`'s default: 2)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    args.also_stream_interval_ms = None  # (bench_text's shorthand, read by other_mlxq_settings)
     global SAMPLED_TOP_P
     SAMPLED_TOP_P = args.top_p
     unknown = set(args.workloads.split(",")) - set(WORKLOADS)
@@ -361,7 +394,13 @@ def main() -> None:
         single = Direct(model_dir)
         single.decode(16)  # warm-up
         WATCHED["redis"] = redis_proc.process.pid
-        servers = [start_mlxq(model_dir, redis_url, web_workers=args.web_workers), start_mlx_lm_server(model_dir)]
+        servers = [start_mlxq(model_dir, redis_url, web_workers=args.web_workers)]
+        for db, env in enumerate(other_mlxq_settings(args), start=1):
+            # Its own Redis database: two workers on one queue would take each other's jobs.
+            servers.append(start_mlxq(model_dir, f"{redis_url.rsplit('/', 1)[0]}/{db}", mlxq_name(env), env,
+                                      web_workers=args.web_workers))
+        if args.server:
+            servers.append(start_mlx_lm_server(model_dir))
         if args.control:
             servers.append(start_mlx_lm_server(model_dir, "mlx_lm_server_2"))
         contestants = servers + ([DirectBatch(single.model, single.tokenizer)] if args.direct else [])
