@@ -14,7 +14,6 @@ import pytest
 from jobs import records
 from jobs.events import DONE, EventPublisher
 from tests.conftest import REPO
-from web.app import create_app
 
 MODEL = "smollm2-135m"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -22,9 +21,9 @@ SPEECH = REPO / "tests" / "fixtures" / "speech"
 
 
 @pytest.fixture()
-def client(settings, redis_conn):
+def client(app_for, redis_conn):
     """The app on the test Redis (flushed); sync calls give up after 0.2 s (nothing drains the queues)."""
-    return create_app(settings.with_overrides(sync_timeout_s=0.2)).test_client()
+    return app_for(sync_timeout_s=0.2).test_client()
 
 
 def error_of(response, status: int) -> dict:
@@ -77,8 +76,8 @@ def test_top_k_is_bounded_by_the_models_vocabulary(client):
     assert error["param"] == "top_k" and "49152" in error["message"]
 
 
-def test_max_tokens_is_bounded_by_the_models_context(client, settings):
-    roomy = create_app(settings.with_overrides(max_tokens_limit=100_000)).test_client()
+def test_max_tokens_is_bounded_by_the_models_context(app_for, redis_conn):
+    roomy = app_for(max_tokens_limit=100_000).test_client()
     body = {"model": MODEL, "messages": QUESTION, "max_tokens": 9000}  # the demo model's context: 8,192
     error = error_of(roomy.post("/v1/chat/completions", json=body), 400)
     assert error["param"] == "max_tokens" and "8192" in error["message"]
@@ -133,8 +132,8 @@ def test_reconnecting_after_the_last_event_ends_at_once(client, settings, redis_
 
 # --- whose jobs ----------------------------------------------------------------------------------
 
-def test_a_key_sees_only_its_own_jobs_and_the_admin_key_sees_all(settings, redis_conn):
-    app = create_app(settings.with_overrides(api_keys=("alice-key", "bob-key"), admin_key="admin-key"))
+def test_a_key_sees_only_its_own_jobs_and_the_admin_key_sees_all(app_for, redis_conn):
+    app = app_for(api_keys=("alice-key", "bob-key"), admin_key="admin-key")
     client = app.test_client()
     alice, bob, admin = ({"Authorization": f"Bearer {k}"} for k in ("alice-key", "bob-key", "admin-key"))
     submitted = client.post("/v1/jobs/chat/completions", json={"model": MODEL, "messages": QUESTION}, headers=alice)
@@ -156,14 +155,14 @@ def test_a_key_sees_only_its_own_jobs_and_the_admin_key_sees_all(settings, redis
 
 # --- the dashboard -----------------------------------------------------------------------------
 
-def test_with_user_keys_but_no_admin_key_the_dashboard_is_closed(settings, redis_conn):
-    client = create_app(settings.with_overrides(api_keys=("user-key",))).test_client()
+def test_with_user_keys_but_no_admin_key_the_dashboard_is_closed(app_for, redis_conn):
+    client = app_for(api_keys=("user-key",)).test_client()
     error = error_of(client.get("/rq/", headers={"Authorization": "Bearer user-key"}), 403)
     assert error["code"] == "dashboard_closed" and "MLXQ_ADMIN_KEY" in error["message"]
 
 
-def test_dashboard_actions_need_a_post_from_its_own_page(settings, redis_conn):
-    client = create_app(settings.with_overrides(admin_key="adm")).test_client()
+def test_dashboard_actions_need_a_post_from_its_own_page(app_for, redis_conn):
+    client = app_for(admin_key="adm").test_client()
     auth = {"Authorization": "Bearer adm"}
     assert client.get("/rq/", headers=auth).status_code == 200
     response = client.get("/rq/requeue/failed", headers=auth)
@@ -326,9 +325,9 @@ def _png_data_url(size: int) -> str:
 
 
 @pytest.fixture()
-def small_bodies(settings, redis_conn):
+def small_bodies(app_for, redis_conn):
     """The app with a 64 KiB body limit (MLXQ_MAX_BODY_KB); chat bodies get more room only for media."""
-    return create_app(settings.with_overrides(max_body_kb=64, sync_timeout_s=0.2)).test_client()
+    return app_for(max_body_kb=64, sync_timeout_s=0.2).test_client()
 
 
 @pytest.mark.parametrize("path, body", [

@@ -15,7 +15,6 @@ import pytest
 from jobs.queues import INTERACTIVE, fetch_job
 from tests import worker_heartbeat
 from tests.conftest import REPO
-from web.app import create_app
 
 MODEL = "smollm2-135m"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -23,9 +22,14 @@ SPEECH = REPO / "tests" / "fixtures" / "speech"
 
 
 @pytest.fixture()
-def client(settings, redis_conn):
+def client(app_for, redis_conn):
     """The app on the test Redis (flushed: no worker's heartbeat in it)."""
-    return create_app(settings).test_client()
+    return app_for().test_client()
+
+
+def _spooled(settings) -> set:
+    """The files in the spool directory (the module's tests share it)."""
+    return {p for p in settings.spool_dir.rglob("*") if p.is_file()} if settings.spool_dir.exists() else set()
 
 
 def _audio(model: str = "whisper-tiny.en") -> dict:
@@ -44,8 +48,9 @@ SYNC_CALLS = {
 
 
 @pytest.mark.parametrize("name", list(SYNC_CALLS))
-def test_a_synchronous_call_with_no_worker_is_a_503_at_once(client, redis_conn, settings, name):
+def test_a_synchronous_call_with_no_worker_is_a_503_at_once(client, redis_conn, module_settings, name):
     path, body = SYNC_CALLS[name]
+    spooled_before = _spooled(module_settings)
     started = time.monotonic()
     if body is None:
         model = "whisper-base" if "translation" in name else "whisper-tiny.en"  # tiny.en cannot translate
@@ -63,8 +68,7 @@ def test_a_synchronous_call_with_no_worker_is_a_503_at_once(client, redis_conn, 
     assert "no mlx worker" in error["message"].lower()
     # Nothing was queued for a worker that starts later, and no upload was left in the spool.
     assert not redis_conn.keys("rq:job:*") and not redis_conn.llen(f"rq:queue:{INTERACTIVE}")
-    spooled = [p for p in settings.spool_dir.rglob("*") if p.is_file()] if settings.spool_dir.exists() else []
-    assert not spooled
+    assert _spooled(module_settings) == spooled_before
 
 
 def test_an_async_job_with_no_worker_is_queued_with_a_warning(client, redis_conn):

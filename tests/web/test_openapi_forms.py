@@ -7,10 +7,10 @@ import pytest
 from web.app import create_app
 
 
-@pytest.fixture()
-def document(settings):
-    """/openapi.json of the app."""
-    return create_app(settings).test_client().get("/openapi.json").get_json()
+@pytest.fixture(scope="module")
+def document(module_settings):
+    """/openapi.json of the app (read once: the tests only read it)."""
+    return create_app(module_settings).test_client().get("/openapi.json").get_json()
 
 
 def form_fields(document: dict):

@@ -11,7 +11,6 @@ import pytest
 from jobs.contract import parse
 from jobs.queues import fetch_job
 from tests import worker_heartbeat
-from web.app import create_app
 
 MODEL = "smollm2-135m"
 VOCAB = 49152
@@ -26,9 +25,9 @@ MESSAGE = ("/v1/messages", {"model": MODEL, "max_tokens": 8, "messages": QUESTIO
 
 
 @pytest.fixture()
-def client(settings, redis_conn):
+def client(app_for, redis_conn):
     """The app on the test Redis (flushed); sync calls give up after 0.2 s (nothing drains the queues)."""
-    return create_app(settings.with_overrides(sync_timeout_s=0.2)).test_client()
+    return app_for(sync_timeout_s=0.2).test_client()
 
 
 def error_of(response, status: int = 400) -> dict:
