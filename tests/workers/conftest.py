@@ -15,3 +15,15 @@ def text_worker_parts(models_dir):
 
     scheduler = build_scheduler(load_settings({"models_dir": models_dir}), "test-text")
     return scheduler.models, scheduler.backends
+
+
+@pytest.fixture(scope="session")
+def demo_text_model(text_worker_parts, models_dir):
+    """The demo text model, float32, as the worker holds it: (model, tokenizer), resident in
+    `text_worker_parts`' manager, so the tests that only compute with it (test_prompt_cache, test_grammar)
+    load it once with the tests that run it through the scheduler."""
+    from jobs.store import resolve
+
+    resident = text_worker_parts[0].load(resolve("smollm2-135m", load_settings({"models_dir": models_dir})))
+    assert resident.float32, "the worker holds the demo model in its stored dtype on this machine"
+    return resident.model, resident.processor

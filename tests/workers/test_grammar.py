@@ -10,8 +10,7 @@ import pytest
 from llguidance import LLMatcher
 
 from jobs.errors import error_data
-from jobs.store import resolve
-from workers.backends import sampling, textgen
+from workers.backends import sampling
 from workers.backends.grammar import GrammarFailed, GrammarProcessor, compile_grammar
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
@@ -19,10 +18,9 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
 
 
 @pytest.fixture(scope="module")
-def tokenizer(models_dir):
-    from jobs.settings import load_settings
-
-    return textgen.load(resolve("smollm2-135m", load_settings({"models_dir": models_dir})).path, float32=True)[1]
+def tokenizer(demo_text_model):
+    """The demo model's tokenizer (the one the worker holds: tests/workers/conftest.py)."""
+    return demo_text_model[1]
 
 
 def allowed_after(processor, last: int | None, vocab: int) -> np.ndarray:

@@ -7,15 +7,13 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from jobs.settings import load_settings
-from jobs.store import resolve
-from workers.backends import textgen
 from workers.backends.prompt_cache import PromptCache
 
 
 @pytest.fixture(scope="module")
-def model(models_dir):
-    return textgen.load(resolve("smollm2-135m", load_settings({"models_dir": models_dir})).path, float32=True)[0]
+def model(demo_text_model):
+    """The demo model in float32 (the one the worker holds: tests/workers/conftest.py)."""
+    return demo_text_model[0]
 
 
 def processed(model, ids: list[int]) -> list:
