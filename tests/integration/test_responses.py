@@ -44,9 +44,10 @@ def test_the_stream_ends_with_completed_and_its_text_is_the_plain_one(openai_cli
 
 
 def test_previous_response_id_continues_the_conversation(openai_client):
+    # Only token counts and the stored text are compared: a few tokens of each answer show them.
     first = create(openai_client, input=[{"role": "user", "content": "My name is Ada. Remember it."}],
-                   instructions="You are brief.")
-    second = create(openai_client, input="What is my name?", previous_response_id=first.id)
+                   instructions="You are brief.", max_output_tokens=4)
+    second = create(openai_client, input="What is my name?", previous_response_id=first.id, max_output_tokens=2)
     assert second.previous_response_id == first.id
     # The earlier turn (question and answer) is part of the prompt the model read.
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
@@ -82,7 +83,8 @@ def test_background_returns_at_once_and_is_fetched_when_done(openai_client):
                       ("queued", "in_progress") and r, 60, interval=0.2, what="the background response to end")
     assert done.status == "completed", (done.status, done.output_text)
     assert done.output_text and done.usage.output_tokens > 0
-    follow_up = create(openai_client, input="And again?", previous_response_id=started.id)
+    follow_up = create(openai_client, input="And again?", previous_response_id=started.id,
+                       max_output_tokens=1)  # only its prompt's length is compared
     assert follow_up.usage.input_tokens > done.usage.input_tokens
 
 
@@ -185,7 +187,7 @@ def test_a_call_answered_in_input_completes_with_text(openai_client, forced):
     answer = create(openai_client, model=TOOLS_MODEL, tools=[WEATHER], input=[
         {"role": "user", "content": WEATHER_QUESTION},
         {"type": "function_call", "call_id": item.call_id, "name": item.name, "arguments": item.arguments},
-        output_of(item)])
+        output_of(item)], max_output_tokens=4)  # a few words of text show the answer is text
     assert answer.status in ("completed", "incomplete") and answer.output_text.strip(), answer.output
     assert [i.type for i in answer.output] == ["message"]
     assert answer.usage.input_tokens > first.usage.input_tokens  # the call and its result were read
@@ -198,7 +200,7 @@ def test_a_background_call_is_fetched_like_a_plain_one_and_answered_by_previous_
                       interval=0.2, what="the background response to complete")
     assert calls_of(done.output) == calls_of(plain.output)
     answer = create(openai_client, model=TOOLS_MODEL, tools=[WEATHER], previous_response_id=started.id,
-                    input=[output_of(the_call(done))])
+                    input=[output_of(the_call(done))], max_output_tokens=4)
     assert answer.status in ("completed", "incomplete") and answer.output_text.strip(), answer.output
     # The stored call came back as the assistant's turn: the prompt holds it and its result.
     assert answer.usage.input_tokens > done.usage.input_tokens + done.usage.output_tokens
