@@ -95,7 +95,8 @@ class Receiver:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks/mlxq?x=1"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        # Polls for shutdown every 0.05 s (the default 0.5 s was each test's teardown).
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
 
     def close(self):
         self.server.shutdown()
