@@ -24,8 +24,9 @@ def server():
     server.stop()
 
 
-def _follow_in_thread(conn: redis.Redis, job_id: str, outage_s: float) -> queue.Queue:
-    """Follow on a thread; each event, then None (the end) or the exception that ended it, lands in the queue."""
+def _follow_in_thread(conn: redis.Redis, job_id: str, outage_s: float, idles: list | None = None) -> queue.Queue:
+    """Follow on a thread; each event, then None (the end) or the exception that ended it, lands in the queue
+    (the idle ones in `idles`, if given)."""
     out: queue.Queue = queue.Queue()
 
     def run():
@@ -33,6 +34,8 @@ def _follow_in_thread(conn: redis.Redis, job_id: str, outage_s: float) -> queue.
             for event in follow(EventHub(conn), job_id, idle_s=0.1, outage_s=outage_s):
                 if event["type"] != "idle":
                     out.put(event)
+                elif idles is not None:
+                    idles.append(time.monotonic())
             out.put(None)
         except Exception as exc:  # what ended it is the test's to judge
             out.put(exc)
@@ -45,10 +48,13 @@ def test_a_follower_rides_out_a_restart_and_misses_nothing(server):
     conn = redis.Redis.from_url(server.url, socket_connect_timeout=1)
     publisher = EventPublisher(conn, ttl_s=60, log_max=100)
     publisher.publish("job", DELTA, {"text": "a"})
-    out = _follow_in_thread(conn, "job", outage_s=30)
+    idles: list[float] = []
+    out = _follow_in_thread(conn, "job", outage_s=30, idles=idles)
     assert out.get(timeout=5)["data"] == {"text": "a"}
     server.halt()
-    time.sleep(0.5)  # the outage itself: the follower must keep going through it
+    halted = time.monotonic()
+    # The outage itself: the follower must keep going through it (two idle rounds with Redis away).
+    wait_until(lambda: sum(t > halted for t in idles) >= 2, 10, interval=0.02, what="the follower to idle through the outage")
     server.start()
     publisher.publish_many("job", [(DELTA, {"text": "b"}), (DONE, {"text": "ab"})])
     assert [(e["id"], e["type"]) for e in (out.get(timeout=10), out.get(timeout=5))] == [(2, DELTA), (3, DONE)]
