@@ -73,7 +73,7 @@ def test_the_vision_path_honours_them_too(openai_client, models_dir):
 
     def first(**kwargs) -> str:
         choice = openai_client.chat.completions.create(
-            model=DEMO_VLM, messages=[{"role": "user", "content": content}], max_tokens=2, temperature=0,
+            model=DEMO_VLM, messages=[{"role": "user", "content": content}], max_tokens=1, temperature=0,
             logprobs=True, **kwargs).choices[0]
         return choice.logprobs.content[0].token
 
