@@ -27,3 +27,23 @@ def demo_text_model(text_worker_parts, models_dir):
     resident = text_worker_parts[0].load(resolve("smollm2-135m", load_settings({"models_dir": models_dir})))
     assert resident.float32, "the worker holds the demo model in its stored dtype on this machine"
     return resident.model, resident.processor
+
+
+@pytest.fixture(scope="session")
+def whisper_ref(models_dir):
+    """Whisper tiny.en as a request carries it (from the store: `mlxq models pull-demo`)."""
+    from jobs import contract
+    from jobs.store import ModelNotFound, resolve
+
+    try:
+        info = resolve("whisper-tiny.en", load_settings({"models_dir": models_dir}))
+    except ModelNotFound as exc:
+        pytest.fail(f"{exc}\nImport the demo models first: mlxq models pull-demo")
+    return contract.ModelRef(info.id, str(info.path), info.kind, info.context_length, info.vocab_size)
+
+
+@pytest.fixture(scope="session")
+def whisper_model(text_worker_parts, whisper_ref):
+    """Whisper tiny.en resident in the session's model manager, beside the demo text model as in a worker:
+    loaded once for every speech module (test_speech and the modules that take its fixtures), not per module."""
+    return text_worker_parts[0].load(whisper_ref).model

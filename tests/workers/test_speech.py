@@ -32,14 +32,12 @@ from jobs.queues import (
     fetch_job,
     get_queue,
 )
-from jobs.settings import load_settings
-from jobs.store import ModelNotFound, resolve
+from jobs.store import resolve
 from jobs.webhooks import delivery_id
 from tests.conftest import REPO
-from tests.speech_clips import Clip, sentences, spaced, whole, write
+from tests.speech_clips import Clip, sentences, spaced, write
 from workers import admission
 from workers.backends import whisper
-from workers.main import build_scheduler
 from workers.recovery import MAX_ATTEMPTS, clean_spool, recover
 from workers.scheduler import Scheduler
 
@@ -59,26 +57,21 @@ def wer(reference: str, hypothesis: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def worker_parts(models_dir):
-    """One model manager and set of backends for the module (models stay loaded)."""
-    scheduler = build_scheduler(load_settings({"models_dir": models_dir}), "test-speech")
-    return scheduler.models, scheduler.backends
+def worker_parts(text_worker_parts):
+    """The session's model manager and backends (models stay loaded; the chat probe's text model too)."""
+    return text_worker_parts
 
 
 @pytest.fixture(scope="module")
-def ref(models_dir) -> contract.ModelRef:
-    """Whisper tiny.en as a request carries it (from the store: `mlxq models pull-demo`)."""
-    try:
-        info = resolve(MODEL, load_settings({"models_dir": models_dir}))
-    except ModelNotFound as exc:
-        pytest.fail(f"{exc}\nImport the demo models first: mlxq models pull-demo")
-    return contract.ModelRef(info.id, str(info.path), info.kind, info.context_length, info.vocab_size)
+def ref(whisper_ref) -> contract.ModelRef:
+    """Whisper tiny.en as a request carries it."""
+    return whisper_ref
 
 
 @pytest.fixture(scope="module")
-def model(worker_parts, ref):
-    """The resident Whisper model."""
-    return worker_parts[0].load(ref).model
+def model(whisper_model):
+    """The resident Whisper model (the session's: one load for every speech module)."""
+    return whisper_model
 
 
 @pytest.fixture(scope="module")
@@ -111,10 +104,11 @@ def assert_timeline(segments: list[dict]) -> None:
 
 
 def test_chunked_transcript_matches_one_pass(model, tmp_path):
-    # A recording that starts 20 s in, just over one window: two windows, so a seam cut through speech, which
-    # is what is compared (a longer file only repeats the seam: a minute took twice as long to show the same;
-    # speech before the seam too only doubled the words to decode, twice).
-    speech = spaced([Clip(np.zeros(20 * 16000, np.int16), ""), whole("train_journey")], gap_s=0.0)
+    # Two sentences that start 26 s in, just over one window: two windows, so a seam cut through speech (the
+    # second sentence), which is what is compared (a longer file only repeats the seam: a minute took twice as
+    # long to show the same; speech before the seam too only doubled the words to decode, twice; a whole
+    # recording after 20 s only added a sentence past the seam to decode, on both paths).
+    speech = spaced([Clip(np.zeros(26 * 16000, np.int16), ""), sentences("train_journey", 0, 2)], gap_s=0.0)
     path, length_s = write(speech, tmp_path / "continuous.wav"), speech.duration_s
     assert length_s > 30.0  # Whisper's window
     started = time.monotonic()

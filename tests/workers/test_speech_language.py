@@ -48,11 +48,11 @@ def test_the_language_is_detected_once_and_kept(models_dir, spanish_then_silence
     assert result["language"] == "spanish" and result["task"] == "transcribe" and "parque" in result["text"]
 
 
-def test_a_translation_reports_english_and_an_english_only_model_refuses_it(models_dir):
+def test_a_translation_reports_english_and_an_english_only_model_refuses_it(whisper_model, whisper_ref):
+    # tiny.en as the worker holds it: the session's (test_speech and others load it anyway).
     assert build_result([], "es", 1.0, False, task="translate") | {"text": ""} == \
         {"task": "translate", "language": "english", "duration": 1.0, "text": "", "segments": []}
-    model = load_model(models_dir, "whisper-tiny.en")
-    ref = contract.ModelRef("whisper-tiny.en", str(models_dir / "whisper-tiny.en"), "speech")
+    model, ref = whisper_model, whisper_ref
     request = contract.TranscriptionRequest("job-1", ref, "unused.wav", task="translate")
     with pytest.raises(InvalidRequest, match="English-only") as refused:
         check_task(model, request)

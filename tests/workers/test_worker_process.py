@@ -25,10 +25,8 @@ from jobs.queues import (
     get_queue,
     new_job_id,
 )
-from jobs.settings import load_settings
 from jobs.store import resolve
 from tests.conftest import REPO, wait_until
-from workers.main import build_scheduler
 from workers.recovery import recover
 from workers.scheduler import Scheduler
 
@@ -80,10 +78,10 @@ def demo_model(models_dir):
 # --- requests run by the scheduler in this process, in burst mode ------------------------------------
 
 @pytest.fixture(scope="module")
-def worker_parts(demo_model):
-    """One model manager and set of backends shared by the in-process tests (models stay loaded)."""
-    scheduler = build_scheduler(load_settings({"models_dir": demo_model}), "test-parts")
-    return scheduler.models, scheduler.backends
+def worker_parts(demo_model, text_worker_parts):
+    """The session's model manager and backends, shared by the in-process tests (the demo model stays loaded:
+    not loaded again for this module)."""
+    return text_worker_parts
 
 
 def burst(conn, settings, worker_parts) -> Scheduler:
