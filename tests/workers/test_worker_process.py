@@ -284,7 +284,8 @@ def test_worker_process_answers_chat_jobs_and_sigterm_lets_the_running_ones_fini
     # while they run ends the process cleanly once both are answered.
     worker = spawn(redis_conn)
     france_id = submit(redis_conn, settings, chat_request(settings, FRANCE))
-    long_id = submit(redis_conn, settings, chat_request(settings, LONG, max_tokens=30))
+    # 16 tokens: the stop comes at the first, 15 are left to finish (30 only made the test wait for 14 more).
+    long_id = submit(redis_conn, settings, chat_request(settings, LONG, max_tokens=16))
     first_delta(redis_conn, long_id)  # taken after the first (one queue, in order): both are running
     worker.process.send_signal(signal.SIGTERM)
     assert worker.process.wait(120) == 0, worker.tail()
@@ -300,3 +301,4 @@ def test_worker_process_answers_chat_jobs_and_sigterm_lets_the_running_ones_fini
     assert not redis_conn.exists(worker.alive_key), "a clean exit removes the liveness key"
     log = worker.log_path.read_text()
     assert f"worker {worker.name} on queues interactive,batch" in log and "BLAS" in log and "budget" in log
+    assert log.index("SIGTERM: warm stop") < log.index(f"finished {long_id}"), "the stop came while it ran"
