@@ -4,6 +4,7 @@ previous_response_id, structured, stored and fetched, calling functions; errors 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -17,19 +18,52 @@ def create(client, **kwargs):
     return client.responses.create(**{"model": MODEL, "temperature": 0, "max_output_tokens": 12, **kwargs})
 
 
-def test_a_string_input_gets_a_completed_response_stored_as_it_was_answered(openai_client):
-    response = create(openai_client, input="What is the capital of France?", instructions="Be brief.",
-                      metadata={"k": "v"})
+def at_once(asks: dict) -> dict:
+    """Each of `asks`' calls made at the same time (their responses decode together in one batch; a greedy row
+    gives in a batch what it gives alone: test_batching), by name."""
+    with ThreadPoolExecutor(len(asks)) as pool:
+        futures = {name: pool.submit(call) for name, call in asks.items()}
+        return {name: future.result(timeout=300) for name, future in futures.items()}
+
+
+def module_client(service) -> openai.OpenAI:
+    """The official client for the module's fixtures."""
+    return openai.OpenAI(base_url=service.base_url + "/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+# At most 12 characters: even 4-byte ones (an emoji is several tokens) end well inside 96 tokens.
+ANSWER = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 12}},
+          "required": ["answer"], "additionalProperties": False}
+JSON_ANSWER = {"format": {"type": "json_schema", "name": "answer", "schema": ANSWER, "strict": True}}
+
+
+@pytest.fixture(scope="module")
+def texts(service) -> dict:
+    """The text model's answers that depend on no other, asked at once: a stored "plain" one with instructions
+    and metadata, "colours" (not stored) and its "streamed" events, and a "structured" one."""
+    client = module_client(service)
+    return at_once({
+        "plain": lambda: create(client, input="What is the capital of France?", instructions="Be brief.",
+                                metadata={"k": "v"}),
+        "colours": lambda: create(client, input="Name three colours.", store=False),
+        "streamed": lambda: list(create(client, input="Name three colours.", store=False, stream=True)),
+        "structured": lambda: create(client, input="What is the capital of France? Answer in JSON.",
+                                     max_output_tokens=96, text=JSON_ANSWER),
+    })
+
+
+def test_a_string_input_gets_a_completed_response_stored_as_it_was_answered(openai_client, texts):
+    response = texts["plain"]
     assert response.status == "completed" and response.object == "response"
     assert response.output_text and response.output[0].role == "assistant"
     assert response.usage.output_tokens > 0 and response.usage.input_tokens > 5
     assert openai_client.responses.retrieve(response.id).model_dump() == response.model_dump()
 
 
-def test_the_stream_ends_with_completed_and_its_text_is_the_plain_one(openai_client):
-    plain_response = create(openai_client, input="Name three colours.", store=False)
+def test_the_stream_ends_with_completed_and_its_text_is_the_plain_one(openai_client, texts):
+    plain_response = texts["colours"]
     plain = plain_response.output_text
-    events = list(create(openai_client, input="Name three colours.", store=False, stream=True))
+    events = texts["streamed"]
     kinds = [e.type for e in events]
     assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
                          "response.content_part.added"]
@@ -54,12 +88,8 @@ def test_previous_response_id_continues_the_conversation(openai_client):
     assert openai_client.responses.retrieve(second.id).output_text == second.output_text
 
 
-def test_structured_output_through_text_format(openai_client):
-    # At most 12 characters: even 4-byte ones (an emoji is several tokens) end well inside 96 tokens.
-    schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 12}},
-              "required": ["answer"], "additionalProperties": False}
-    response = create(openai_client, input="What is the capital of France? Answer in JSON.", max_output_tokens=96,
-                      text={"format": {"type": "json_schema", "name": "answer", "schema": schema, "strict": True}})
+def test_structured_output_through_text_format(texts):
+    response = texts["structured"]
     assert response.status == "completed", (response.status, response.output_text, response.usage)
     assert set(json.loads(response.output_text)) == {"answer"}
 
@@ -138,7 +168,7 @@ def output_of(item) -> dict:
 def forced(service):
     """The stored answer to WEATHER_QUESTION with tool_choice `choice` (NAMED or "required"), asked once per
     module: the tests below compare with it or go on from it."""
-    client = openai.OpenAI(base_url=service.base_url + "/v1", api_key="unused", timeout=120, max_retries=0)
+    client = module_client(service)
     answers = {}
 
     def get(choice):
