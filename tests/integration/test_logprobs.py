@@ -4,6 +4,7 @@ greedy choice, the same streamed as plain, on a lone request, a batch (n > 1), c
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -20,10 +21,29 @@ def chat(client, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def greedy(service):
-    """A greedy chat with logprobs and 3 top_logprobs, asked once: checked, and streamed alike."""
+def answers(service) -> dict:
+    """The text model's answers the tests below check, asked at once so that they decode together in one batch
+    (a greedy row gives in a batch what it gives alone: test_batching): a "greedy" chat with logprobs and 3
+    top_logprobs, the "streamed" chunks of the same, one that did not ask ("unasked"), a "sampled" n=3 batch,
+    and a "completion"."""
     client = openai.OpenAI(base_url=service.base_url + "/v1", api_key="unused", timeout=120, max_retries=0)
-    return chat(client, logprobs=True, top_logprobs=3).choices[0]
+    asks = {
+        "greedy": lambda: chat(client, logprobs=True, top_logprobs=3),
+        "streamed": lambda: list(chat(client, logprobs=True, top_logprobs=3, stream=True)),
+        "unasked": lambda: chat(client, max_tokens=2),
+        "sampled": lambda: chat(client, logprobs=True, top_logprobs=1, n=3, temperature=1.0, seed=7, max_tokens=8),
+        "completion": lambda: client.completions.create(model=MODEL, prompt="The capital of France is",
+                                                        max_tokens=8, temperature=0, logprobs=2),
+    }
+    with ThreadPoolExecutor(len(asks)) as pool:
+        futures = {name: pool.submit(ask) for name, ask in asks.items()}
+        return {name: future.result(timeout=300) for name, future in futures.items()}
+
+
+@pytest.fixture(scope="module")
+def greedy(answers):
+    """The greedy chat's choice: checked, and streamed alike."""
+    return answers["greedy"].choices[0]
 
 
 def test_greedy_tokens_are_the_most_likely_ones(greedy):
@@ -38,20 +58,20 @@ def test_greedy_tokens_are_the_most_likely_ones(greedy):
         assert bytes(e.bytes).decode() == e.token
 
 
-def test_no_logprobs_unless_asked(openai_client):
-    assert chat(openai_client, max_tokens=2).choices[0].logprobs is None
+def test_no_logprobs_unless_asked(answers):
+    assert answers["unasked"].choices[0].logprobs is None
 
 
-def test_streamed_logprobs_are_the_plain_ones(openai_client, greedy):
+def test_streamed_logprobs_are_the_plain_ones(answers, greedy):
     plain = greedy.logprobs.content
-    streamed = [e for chunk in chat(openai_client, logprobs=True, top_logprobs=3, stream=True)
+    streamed = [e for chunk in answers["streamed"]
                 if chunk.choices and chunk.choices[0].logprobs for e in chunk.choices[0].logprobs.content]
     assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in plain]
     assert all(len(e.top_logprobs) == 3 for e in streamed)
 
 
-def test_sampled_choices_in_a_batch_carry_their_own(openai_client):
-    response = chat(openai_client, logprobs=True, top_logprobs=1, n=3, temperature=1.0, seed=7, max_tokens=8)
+def test_sampled_choices_in_a_batch_carry_their_own(answers):
+    response = answers["sampled"]
     assert len(response.choices) == 3
     for choice in response.choices:
         entries = choice.logprobs.content
@@ -60,9 +80,8 @@ def test_sampled_choices_in_a_batch_carry_their_own(openai_client):
         assert all(e.logprob <= e.top_logprobs[0].logprob + 1e-4 for e in entries)
 
 
-def test_completions_use_the_older_shape(openai_client):
-    choice = openai_client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
-                                              temperature=0, logprobs=2).choices[0]
+def test_completions_use_the_older_shape(answers):
+    choice = answers["completion"].choices[0]
     lp = choice.logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) > 0
     # mlx-lm's streaming detokenizer drops the first token's leading space from the text; the token keeps it
