@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -72,6 +73,12 @@ class Proc:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
 
+def stop_all(procs: list[Proc]) -> None:
+    """Stop the processes at once, each waiting for its own exit (one after the other, their waits add up)."""
+    with ThreadPoolExecutor(max_workers=len(procs)) as pool:
+        list(pool.map(Proc.stop, procs))
+
+
 class Service:
     """Worker + web on one Redis and a private spool; `base_url` is the API's address."""
 
@@ -128,9 +135,8 @@ class Service:
         self.wait_ready()
 
     def stop(self) -> None:
-        """Stop web and worker; remove the spool."""
-        self.web.stop()
-        self.worker.stop()
+        """Stop web and worker at once; remove the spool."""
+        stop_all([self.web, self.worker])
         shutil.rmtree(self.spool_dir, ignore_errors=True)
 
 

@@ -14,7 +14,7 @@ import redis
 from mlxq.cli import gunicorn_argv
 from tests import speech_clips
 from tests.conftest import free_port, wait_until
-from tests.integration.conftest import Proc, service_env
+from tests.integration.conftest import Proc, service_env, stop_all
 
 TEXT, SPEECH = "smollm2-135m", "whisper-tiny.en"
 
@@ -45,8 +45,7 @@ def two_workers(redis_url, models_dir, tmp_path_factory):
     wait_until(both_up, 180, interval=0.3, what="both workers to be up")
     yield api, redis.Redis.from_url(url)
     api.close()
-    with ThreadPoolExecutor(max_workers=len(procs)) as pool:  # all at once: each waits for its own exit
-        list(pool.map(Proc.stop, procs))
+    stop_all(procs)
 
 
 @pytest.fixture(scope="module")
