@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+from concurrent.futures import ThreadPoolExecutor
 
 import anthropic
 import pytest
@@ -36,10 +37,31 @@ def module_claude(service):
     return anthropic.Anthropic(base_url=service.base_url, api_key="unused", max_retries=0, timeout=120)
 
 
+def stream_question(client, **kwargs):
+    """The default question streamed (greedy): its final text and message."""
+    with client.messages.stream(model=MODEL, max_tokens=24, extra_body={"temperature": 0}, **kwargs,
+                                messages=[{"role": "user", "content": "What is the capital of France?"}]) as stream:
+        return stream.get_final_text(), stream.get_final_message()
+
+
 @pytest.fixture(scope="module")
-def plain(module_claude):
-    """The greedy text of the default question, asked once: what the stream and stop sequences compare with."""
-    return ask(module_claude).content[0].text
+def texts(module_claude) -> dict:
+    """The text model's messages that depend on no other, asked at once so that they decode together in one
+    batch (a greedy row gives in a batch what it gives alone: test_batching): the default question "plain" and
+    "streamed", one with a "system" prompt, and one cut "short" by max_tokens."""
+    asks = {"plain": lambda: ask(module_claude),
+            "streamed": lambda: stream_question(module_claude),
+            "system": lambda: ask(module_claude, system="You answer in one sentence."),
+            "short": lambda: ask(module_claude, "Tell me a long story.", max_tokens=3)}
+    with ThreadPoolExecutor(len(asks)) as pool:
+        futures = {name: pool.submit(call) for name, call in asks.items()}
+        return {name: future.result(timeout=300) for name, future in futures.items()}
+
+
+@pytest.fixture(scope="module")
+def plain(texts):
+    """The greedy text of the default question: what the stream and stop sequences compare with."""
+    return texts["plain"].content[0].text
 
 
 def ask(client, content="What is the capital of France?", **kwargs):
@@ -49,24 +71,21 @@ def ask(client, content="What is the capital of France?", **kwargs):
     return client.messages.create(**{**options, **kwargs})
 
 
-def test_a_message(claude):
-    message = ask(claude, system="You answer in one sentence.")
+def test_a_message(texts):
+    message = texts["system"]
     assert message.type == "message" and message.role == "assistant"
     assert message.content[0].type == "text" and message.content[0].text
     assert message.stop_reason in ("end_turn", "max_tokens")
     assert message.usage.input_tokens > 10 and message.usage.output_tokens > 0
 
 
-def test_a_stream_gives_the_same_text(claude, plain):
-    with claude.messages.stream(model=MODEL, max_tokens=24, extra_body={"temperature": 0},
-                                messages=[{"role": "user", "content": "What is the capital of France?"}]) as stream:
-        streamed = stream.get_final_text()
-        final = stream.get_final_message()
+def test_a_stream_gives_the_same_text(texts, plain):
+    streamed, final = texts["streamed"]
     assert streamed == plain and final.stop_reason in ("end_turn", "max_tokens")
 
 
-def test_max_tokens_stop_reason(claude):
-    assert ask(claude, "Tell me a long story.", max_tokens=3).stop_reason == "max_tokens"
+def test_max_tokens_stop_reason(texts):
+    assert texts["short"].stop_reason == "max_tokens"
 
 
 def test_a_stop_sequence_is_reported_as_such(claude, plain):
@@ -74,9 +93,7 @@ def test_a_stop_sequence_is_reported_as_such(claude, plain):
     message = ask(claude, stop_sequences=["zzz-never", word])
     assert message.stop_reason == "stop_sequence" and message.stop_sequence == word
     assert message.content[0].text == plain[: plain.index(word)]
-    with claude.messages.stream(model=MODEL, max_tokens=24, extra_body={"temperature": 0}, stop_sequences=[word],
-                                messages=[{"role": "user", "content": "What is the capital of France?"}]) as stream:
-        final = stream.get_final_message()
+    _, final = stream_question(claude, stop_sequences=[word])
     assert final.stop_reason == "stop_sequence" and final.stop_sequence == word
 
 
