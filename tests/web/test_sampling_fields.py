@@ -6,6 +6,8 @@ them as it does any unknown field. What the worker does with them is tested with
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from jobs.contract import parse
@@ -102,14 +104,26 @@ def test_good_values_reach_a_background_responses_sampling(client, redis_conn):
     assert sampling.logit_bias == ((0, 100.0), (7, -0.5), (50, -100.0), (VOCAB - 1, 2.5))
 
 
-@pytest.mark.parametrize("path, base", [CHAT, COMPLETION, RESPONSE, (RESPONSE[0], {**RESPONSE[1], "store": False})],
-                         ids=["chat", "completions", "responses", "responses-unstored"])
-def test_good_values_reach_a_synchronous_calls_sampling(client, redis_conn, path, base):
-    worker_heartbeat.beat(redis_conn)  # taken as served: the call is queued and waits (0.2 s) for its answer
-    error = error_of(client.post(path, json={**base, **GOOD}), 504)
-    sampling = _queued_sampling(redis_conn, error["job_id"])
-    assert (sampling.presence_penalty, sampling.frequency_penalty) == (1.5, -2.0)
-    assert dict(sampling.logit_bias) == {0: 100.0, 50: -100.0, VOCAB - 1: 2.5, 7: -0.5}
+SYNC_CALLS = {"chat": CHAT, "completions": COMPLETION, "responses": RESPONSE,
+              "responses-unstored": (RESPONSE[0], {**RESPONSE[1], "store": False})}
+
+
+def test_good_values_reach_each_synchronous_calls_sampling(client, redis_conn):
+    """Chat, completions, and Responses stored and unstored, sent at once: each call waits out its 0.2 s, which the
+    web tier notices at its next idle tick of the job's events (1 s), so one after another they took 4 s."""
+    worker_heartbeat.beat(redis_conn)  # taken as served: each call is queued and waits (0.2 s) for its answer
+
+    def post(call):
+        path, base = call
+        return client.application.test_client().post(path, json={**base, **GOOD})
+
+    with ThreadPoolExecutor(len(SYNC_CALLS)) as pool:
+        responses = dict(zip(SYNC_CALLS, pool.map(post, SYNC_CALLS.values()), strict=True))
+    for name, response in responses.items():
+        error = error_of(response, 504)
+        sampling = _queued_sampling(redis_conn, error["job_id"])
+        assert (sampling.presence_penalty, sampling.frequency_penalty) == (1.5, -2.0), name
+        assert dict(sampling.logit_bias) == {0: 100.0, 50: -100.0, VOCAB - 1: 2.5, 7: -0.5}, name
 
 
 @pytest.mark.parametrize("path, base, status", [(*JOB, 202), (*BACKGROUND, 200)], ids=["jobs", "responses"])
