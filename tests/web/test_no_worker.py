@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -92,26 +93,34 @@ def _job_ids(redis_conn) -> list[str]:
     return [k.decode().split(":", 2)[2] for k in redis_conn.keys("rq:job:*")]
 
 
-def test_a_call_whose_worker_goes_away_while_it_is_queued_is_a_503(client, redis_conn):
+def test_a_call_and_a_stream_whose_worker_goes_away_while_they_are_queued_end_with_no_worker(client, redis_conn):
+    """A call is answered 503, a stream ends with an error event; both are taken out of their queue. Sent at
+    once: each waits for the heartbeat to expire and the web tier to see it (about 2 s)."""
     worker_heartbeat.beat(redis_conn, ttl_s=1.5)  # a worker that dies at once: its heartbeat expires
-    started = time.monotonic()
-    response = client.post("/v1/chat/completions", json={"model": MODEL, "messages": QUESTION})
-    waited = time.monotonic() - started
+    body = {"model": MODEL, "messages": QUESTION}
+
+    def call():
+        started = time.monotonic()
+        response = client.application.test_client().post("/v1/chat/completions", json=body)
+        return response, time.monotonic() - started
+
+    def stream():
+        return client.application.test_client().post("/v1/chat/completions", json={**body, "stream": True})
+
+    with ThreadPoolExecutor(2) as pool:
+        called, streamed = pool.submit(call), pool.submit(stream)
+        (response, waited), streamed = called.result(), streamed.result()
     assert response.status_code == 503, response.get_data(as_text=True)
     assert response.get_json()["error"]["code"] == "no_worker" and response.headers["Retry-After"] == "5"
     assert 1.0 < waited < 10, f"answered after {waited:.1f}s"
-    # Taken out of its queue: a worker that starts later does not run it.
-    (job_id,) = _job_ids(redis_conn)
-    assert not redis_conn.llen(f"rq:queue:{INTERACTIVE}")
-    assert fetch_job(redis_conn, job_id).get_status() == "canceled"
 
-
-def test_a_stream_whose_worker_goes_away_while_it_is_queued_ends_with_an_error_event(client, redis_conn):
-    worker_heartbeat.beat(redis_conn, ttl_s=1.5)
-    response = client.post("/v1/chat/completions", json={"model": MODEL, "messages": QUESTION, "stream": True})
-    assert response.status_code == 200
-    frames = [line[6:] for line in response.get_data(as_text=True).splitlines() if line.startswith("data: ")]
+    assert streamed.status_code == 200
+    frames = [line[6:] for line in streamed.get_data(as_text=True).splitlines() if line.startswith("data: ")]
     assert frames[-1] == "[DONE]"
     error = json.loads(frames[-2])["error"]
     assert error["code"] == "no_worker" and "no mlx worker" in error["message"].lower()
-    assert not redis_conn.llen(f"rq:queue:{INTERACTIVE}")
+
+    # Taken out of their queue: a worker that starts later does not run them.
+    job_ids = _job_ids(redis_conn)
+    assert len(job_ids) == 2 and not redis_conn.llen(f"rq:queue:{INTERACTIVE}")
+    assert {fetch_job(redis_conn, job_id).get_status() for job_id in job_ids} == {"canceled"}
