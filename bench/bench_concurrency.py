@@ -317,6 +317,8 @@ def measure(contestants: list, workloads: list[str], counts: list[int], args, si
                     rounds[workload, c.name].append(run_round(c, workload, n, args.max_tokens, args.temperature))
         for (workload, name), runs in rounds.items():
             results[workload].setdefault(name, {})[str(n)] = combine(runs)
+        if args.out:  # what is measured so far, should a later N run out of time
+            args.out.with_suffix(".partial.json").write_text(json.dumps(results, indent=1))
         if args.profile:
             for workload in workloads:
                 profiled_round(contestants[0], workload, n, args)
