@@ -5,7 +5,8 @@ prompt's last token, which the next step feeds. Their first forward is the batch
 GenerationBatch gives new sequences a forward pass of their own); they leave when the batch says
 so, with their caches for the prompt cache. Sampling is one computation for all rows
 (workers/backends/sampling.py). Each step queues the next forward pass before reading back the
-tokens of the last one, so the device never waits for Python.
+tokens of the last one, so the device never waits for Python; a sequence's first token is read back at
+the step that computes it (its time to first token is one step shorter).
 
 A sequence decoding alone keeps its plain cache, at the speed of a single stream (mlx-lm's batch
 cache costs one stream a good part of its speed); a second one joining merges both into a batch
@@ -34,6 +35,7 @@ class Slot:
     logprobs: bool  # whether its tokens' log-probabilities are wanted
     handed: int = 0  # tokens handed out so far
     generated: bool = False  # whether its input at the coming step is one of its own tokens
+    ahead: bool = False  # whether its input at the coming step was handed out already (its first token)
 
 
 @dataclass
@@ -125,20 +127,33 @@ class DecodeBatch:
             self.input_logprobs = logprobs if wanted else None
             mx.async_eval(self.inputs, *([logprobs] if wanted else []))
             tokens = current.tolist()
+            # A sequence that just joined fed its prompt's last token: its first token is being computed
+            # now. It is read back at once, not at the next step: that waits for this pass and leaves the
+            # device idle while the next one is built, but only at a step where someone joins, and every
+            # request's first token comes a decode step sooner (~10 ms beside 64 rows on a GPU, 100 ms
+            # and more on a CPU).
+            first = self.inputs.tolist() if not all(slot.generated for slot in self.slots) else None
         self.steps += 1
         if self.steps % CLEAR_EVERY == 0:
             mx.clear_cache()
         out = []
         for i, (slot, token) in enumerate(zip(self.slots, tokens, strict=True)):
             slot.fed.append(token)
-            if not slot.generated:  # its prompt's last token: nothing to hand out yet
-                slot.generated = True
-                continue
-            slot.handed += 1
-            finish = "stop" if token in self.eos else ("length" if slot.handed >= slot.budget else None)
-            vector = current_logprobs[i] if slot.logprobs and current_logprobs is not None else None
-            out.append(Token(slot.key, token, finish, vector))
+            if not slot.generated:  # its prompt's last token: its first token is handed out now
+                slot.generated = slot.ahead = True
+                out.append(self._hand(slot, first[i], self.input_logprobs, i))
+            elif slot.ahead:  # handed out at the step that computed it
+                slot.ahead = False
+            else:
+                out.append(self._hand(slot, token, current_logprobs, i))
         return out
+
+    def _hand(self, slot: Slot, token: int, logprobs: mx.array | None, row: int) -> Token:
+        """Hand out one token of a sequence (row `row` of `logprobs` it was drawn from)."""
+        slot.handed += 1
+        finish = "stop" if token in self.eos else ("length" if slot.handed >= slot.budget else None)
+        vector = logprobs[row] if slot.logprobs and logprobs is not None else None
+        return Token(slot.key, token, finish, vector)
 
     def remove(self, keys: list, keep_caches: bool = False) -> list[tuple[list, list[int]]]:
         """Take sequences out; with `keep_caches`, return (cache, the tokens in it) of each."""
