@@ -121,7 +121,10 @@ def cancel_response(response_id: str):
         raise APIError(400, "Only a background response can be canceled.", "invalid_value", "id")
     if response["status"] in ("queued", "in_progress") and not cancel_queued(svc.redis, svc.settings, response_id):
         request_cancel(svc.redis, response_id, svc.settings.result_ttl_s)
-    return jsonify(_current(response_id))
+    current = _current(response_id)
+    if current["status"] == "queued":  # a worker took it off the queue and has not marked it started yet:
+        current = {**current, "status": "in_progress"}  # it stops at its first piece, as a running one does
+    return jsonify(current)
 
 
 def _current(response_id: str, missing: str = "response_not_found", param: str = "id") -> dict:
