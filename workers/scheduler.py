@@ -222,10 +222,14 @@ class Scheduler:
     def _end_many(self, ended: list[tuple[Task, Outcome | BaseException]]) -> None:
         """End the tasks of one step: every client is told first, then each end is recorded (64 chats
         ending together would otherwise each wait for the RQ bookkeeping of those before them)."""
-        told = [(task, result, tell(task, result)) for task, result in ended]
-        for task, result, data in told:
-            record(task, result, data)
-            self.release(task)
+        told = []
+        try:
+            for task, result in ended:
+                told.append((task, result, tell(task, result)))
+        finally:  # those told before Redis went away are recorded too (or the outage's handling ends them)
+            for task, result, data in told:
+                record(task, result, data)
+                self.release(task)
 
     def _hand_back(self, task: Task) -> None:
         """Stop a resumable task between pieces: a continuation goes on from its checkpoint."""
