@@ -1,7 +1,7 @@
 """A job the scheduler runs, and the three ways it stops: with its answer, with an error, or handed back.
 
-Each of these records the task's end in the job's lifecycle and in RQ; the scheduler then frees the
-task's place (workers/scheduler.py).
+An end is told (the job's lifecycle: record, webhook, the client's terminal event), then recorded (RQ,
+the metrics); the scheduler then frees the task's place (workers/scheduler.py).
 """
 
 from __future__ import annotations
@@ -37,16 +37,6 @@ class Task:
     gen: Iterator[Outcome | None] | None = None  # a solo task's run, in pieces
     used_s: float = 0.0  # time spent running a solo task's pieces (pauses don't count)
     waited_s: float | None = None  # time in its queue before it started
-
-
-def finish(task: Task, outcome: Outcome) -> None:
-    """End a task with its answer (the job's end, then its RQ job)."""
-    record(task, outcome, tell(task, outcome))
-
-
-def fail(task: Task, exc: BaseException) -> None:
-    """End a task with the error `exc` means to a client."""
-    record(task, exc, tell(task, exc))
 
 
 def tell(task: Task, result: Outcome | BaseException) -> dict | None:

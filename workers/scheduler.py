@@ -36,7 +36,7 @@ from workers.admission import Admission
 from workers.backends.base import Outcome
 from workers.backends.prompt_cache import PromptCache
 from workers.backends.textbatch import TextBatch, batchable
-from workers.running import Task, fail, finish, hand_back, record, resumable, tell
+from workers.running import Task, hand_back, record, resumable, tell
 
 log = logging.getLogger(__name__)
 
@@ -213,11 +213,7 @@ class Scheduler:
 
     def _end(self, task: Task, result: Outcome | BaseException) -> None:
         """End a task with its answer or an error, then close its run and free its place (the answer is out first)."""
-        if isinstance(result, Outcome):
-            finish(task, result)
-        else:
-            fail(task, result)
-        self.release(task)
+        self._end_many([(task, result)])
 
     def _end_many(self, ended: list[tuple[Task, Outcome | BaseException]]) -> None:
         """End the tasks of one step: every client is told first, then each end is recorded (64 chats
