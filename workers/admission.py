@@ -99,7 +99,7 @@ class Admission:
                 if kind in TEXT_KINDS:
                     if len(text) < self._text_room():
                         text.append(job_id)
-                elif self._has_room(kind, queue.name):
+                elif self._has_room(queue.name):
                     job = rqjobs.claim(queue, job_id)
                     if job is not None:
                         self.floor.begin(job, queue)
@@ -152,10 +152,8 @@ class Admission:
             return 0
         return max(0, self.floor.max_batch - sum(len(b) for b in batches))
 
-    def _has_room(self, kind: str | None, queue: str) -> bool:
-        """Whether a job of `kind` from `queue` can join what runs now."""
+    def _has_room(self, queue: str) -> bool:
+        """Whether a solo job (not text: `_text_room`) from `queue` can join what runs now."""
         lane = queues.lane_of(queue)  # a model's own queue shares its lane's slot
-        if kind in TEXT_KINDS:
-            return self._text_room() > 0
         interactive = self.floor.solo_in(queues.INTERACTIVE)
         return self.floor.solo_in(lane) is None and (lane == queues.INTERACTIVE or interactive is None)
