@@ -34,7 +34,7 @@ def build(minutes: float, out_dir: Path | None = None) -> Path:
     path = out_dir / f"speech-{minutes:g}min.wav"
     if path.exists() and path.with_suffix(".txt").exists():
         return path
-    tmp = path.with_suffix(".wav.partial")
+    tmp = path.with_suffix(f".wav.{os.getpid()}.partial")  # two test processes may build it at once
     scripts = _write(tmp, minutes * 60.0)
     path.with_suffix(".txt").write_text(" ".join(scripts) + "\n", encoding="utf-8")
     tmp.replace(path)  # only a complete file ever has the final name

@@ -39,7 +39,7 @@ class Proc:
         self.name, self.argv, self.env = name, argv, env
         self.process: subprocess.Popen | None = None
         LOGS.mkdir(parents=True, exist_ok=True)
-        self.log_path = LOGS / f"{name}.log"
+        self.log_path = LOGS / f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-{name}.log"
 
     def start(self) -> "Proc":
         """Start the process (appending to its log)."""

@@ -225,7 +225,7 @@ class WorkerProcess:
         self.env = {**os.environ, "REDIS_URL": redis_url, "MLXQ_REDIS_URL": redis_url,
                     "MLXQ_MODELS_DIR": str(models_dir), "PYTHONUNBUFFERED": "1"}
         LOGS.mkdir(parents=True, exist_ok=True)
-        self.log_path = LOGS / f"{self.name}.log"
+        self.log_path = LOGS / f"{os.environ.get('PYTEST_XDIST_WORKER', 'main')}-{self.name}.log"
         self.process: subprocess.Popen | None = None
 
     def start(self, conn, timeout: float = 180) -> "WorkerProcess":
