@@ -59,7 +59,8 @@ def run_mlxq(model, tokenizer, workload: str, n: int, max_tokens: int) -> float:
         model(mx.array(ids[:-1])[None], cache=cache)
         mx.eval([c.state for c in cache])
         row = sampling.row_for(Sampling(**settings(workload, i)), vocab)
-        batch.insert(object(), cache, ids[:-1], ids[-1], max_tokens, row)
+        # The prompt's last token stands in for a first token (drawn before joining; not counted here).
+        batch.insert(object(), cache, ids[:-1], ids[-1], max_tokens + 1, row)
     began, tokens = time.perf_counter(), 0
     while len(batch):
         out = batch.step()

@@ -416,6 +416,26 @@ def first_token_step(run: Scheduler, request, limit: int = 500) -> int:
     raise AssertionError("no token came")
 
 
+def test_a_first_token_comes_from_its_prompts_own_pass(redis_conn, settings, worker_parts, prepared_when_taken,
+                                                      alone):
+    # While another request decodes, a new request's first token goes out at the step that processes its
+    # prompt, not at a decode step after it; an answer of one token never joins the decoders at all.
+    other = chat(settings, QUESTIONS[2])
+    submit(redis_conn, settings, other)
+    run = scheduler(redis_conn, settings, worker_parts)
+    step_until(run, lambda: run.text and any(b.sequences for b in run.text.values()))
+    batch = next(iter(run.text.values()))
+    for max_tokens in (1, 4):
+        request = chat(settings, QUESTIONS[0], max_tokens=max_tokens)
+        submit(redis_conn, settings, request)
+        run.admission.look_now()
+        assert first_token_step(run, request) == 1  # taken, prepared, its prompt processed: its token is out
+        assert batch.sequences == (1 if max_tokens == 1 else 2)
+    run.run()
+    assert texts(done(redis_conn, request.id)) == texts(alone(request))
+    assert texts(done(redis_conn, other.id)) == texts(alone(other))
+
+
 def test_a_short_request_starts_within_a_chunk_or_two_while_long_prompts_prefill(
         redis_conn, settings, worker_parts, small_chunks, processed, prepared_when_taken, alone):
     longs = [chat(settings, f"{i}: Summarise this: {FOX * 16}", max_tokens=4) for i in range(2)]  # 3 chunks
@@ -468,10 +488,10 @@ def test_a_turn_of_prompt_processing_goes_to_a_request_with_nothing_started_its_
     turn = plan(prompts, started, 512)
     # The new request's short prompt alone (the long ones do not fit whole in what is left, and the
     # big request's prompts wait for the requests that have nothing under way).
-    assert [(p.order, n) for p, n in turn] == [(4, 39)]
+    assert [(p.order, n) for p, n in turn] == [(4, 40)]
     # Long prompts in arrival order, a chunk at a time; the big request's only when none is left.
     assert [(p.order, n) for p, n in plan(prompts[:4], started, 512)] == [(1, 512)]
-    assert [(p.order, n) for p, n in plan([prompts[0], prompts[2]], started, 512)] == [(0, 29), (2, 29)]
+    assert [(p.order, n) for p, n in plan([prompts[0], prompts[2]], started, 512)] == [(0, 30), (2, 30)]
 
 
 def test_a_prompt_too_long_to_fit_is_refused_from_its_length_before_it_is_tokenized(worker_parts, settings):
@@ -508,20 +528,29 @@ def test_whole_prompts_that_share_a_turn_are_processed_in_one_pass_as_they_would
 
     alone_ones, together = prompts(), prompts()
     assert all(p.plain for p in together)
-    for prompt in alone_ones:
-        prompt.feed(resident.model, prompt.left)
-    calls = []
+    alone_logits = [prompt.feed(resident.model, prompt.left) for prompt in alone_ones]
+    calls, heads = [], []
     forward = llama.Model.__call__
     monkeypatch.setattr(llama.Model, "__call__", lambda self, x, *a, **k: calls.append(x.shape) or forward(self, x, *a, **k))
-    feed_together(resident.model, together)
+    embedding = type(resident.model.model.embed_tokens)  # the demo model's output layer is its tied embedding
+    head = embedding.as_linear
+    monkeypatch.setattr(embedding, "as_linear", lambda self, x: heads.append(x.shape[:2]) or head(self, x))
+    together_logits = feed_together(resident.model, together)
     monkeypatch.undo()
-    # One pass, padded to the longest part left.
-    assert calls == [(4, max(len(i) - n for i, n in zip(ids, cached, strict=True)) - 1)]
-    for a, b in zip(alone_ones, together, strict=True):
-        assert (a.fed, a.rest, a.cache[0].offset) == (b.fed, b.rest, b.cache[0].offset)
-        # The same next-token distribution as processed alone (padding is masked, positions kept).
-        next_a = resident.model(mx.array(a.rest)[None], cache=a.cache)[0, -1]
-        next_b = resident.model(mx.array(b.rest)[None], cache=b.cache)[0, -1]
+    # One pass, padded to the longest part left; the output layer on each prompt's last token only.
+    assert calls == [(4, max(len(i) - n for i, n in zip(ids, cached, strict=True)))]
+    assert heads == [(4, 1)]
+    for a, b, logits_a, logits_b in zip(alone_ones, together, alone_logits, together_logits, strict=True):
+        assert (a.fed, a.rest, a.cache[0].offset) == (b.fed, b.rest, b.cache[0].offset) and not b.rest
+        # The same next-token distribution as processed alone (padding is masked, positions kept), and
+        # the same as the full forward pass's at the prompt's last token.
+        full = resident.model(mx.array(a.fed)[None])[0, -1]
+        for logits in (logits_a, logits_b):
+            assert mx.allclose(full, logits, atol=1e-3).item() and mx.argmax(full).item() == mx.argmax(logits).item()
+        # The caches hold the whole prompt: the next token feeds on from them as from a full pass.
+        token = mx.array([[mx.argmax(full).item()]])
+        next_a = resident.model(token, cache=a.cache)[0, -1]
+        next_b = resident.model(token, cache=b.cache)[0, -1]
         assert mx.allclose(next_a, next_b, atol=1e-3).item() and mx.argmax(next_a).item() == mx.argmax(next_b).item()
 
 

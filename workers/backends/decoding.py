@@ -1,12 +1,10 @@
 """The decode loop of a text batch: one token for every decoding sequence per step, in one forward pass.
 
-Sequences join with their prompts processed (workers/backends/prefill.py): a cache holding all but the
-prompt's last token, which the next step feeds. Their first forward is the batch's next one (mlx-lm's
-GenerationBatch gives new sequences a forward pass of their own); they leave when the batch says
-so, with their caches for the prompt cache. Sampling is one computation for all rows
-(workers/backends/sampling.py). Each step queues the next forward pass before reading back the
-tokens of the last one, so the device never waits for Python; a sequence's first token is read back at
-the step that computes it (its time to first token is one step shorter).
+Sequences join with their prompts processed and their first tokens drawn and handed out
+(workers/backends/prefill.py, textbatch.py): a cache holding the prompt, and the first token, which
+the next step feeds. They leave when the batch says so, with their caches for the prompt cache.
+Sampling is one computation for all rows (workers/backends/sampling.py). Each step queues the next
+forward pass before reading back the tokens of the last one, so the device never waits for Python.
 
 A sequence decoding alone keeps its plain cache, at the speed of a single stream (mlx-lm's batch
 cache costs one stream a good part of its speed); a second one joining merges both into a batch
@@ -30,22 +28,22 @@ class Slot:
     """One decoding sequence: who it is, its token budget, the tokens in its cache."""
 
     key: object  # the caller's handle for it (textbatch's Sequence)
-    budget: int  # tokens it may hand out
+    budget: int  # tokens it may hand out, its first included
     fed: list[int]  # the tokens whose keys and values are in the cache
     logprobs: bool  # whether its tokens' log-probabilities are wanted
-    handed: int = 0  # tokens handed out so far
-    generated: bool = False  # whether its input at the coming step is one of its own tokens
-    ahead: bool = False  # whether its input at the coming step was handed out already (its first token)
+    handed: int = 1  # tokens handed out so far (its first, before it joined)
+    joined: bool = True  # whether its input at the coming step is its first token (handed out already)
 
 
 @dataclass
 class Joining:
-    """A sequence about to join: `cache` holds `fed`, its prompt but `last`, which its first step feeds."""
+    """A sequence about to join: `cache` holds `fed`, its prompt; `first`, its first token (drawn and
+    handed out by the caller, its row's first draw), is what its first step feeds."""
 
     key: object
     cache: list
     fed: list[int]
-    last: int
+    first: int
     budget: int
     row: Row
     logprobs: bool = False
@@ -78,10 +76,10 @@ class DecodeBatch:
     def __len__(self) -> int:
         return len(self.slots)
 
-    def insert(self, key, cache: list, fed: list[int], last: int, budget: int, row: Row,
+    def insert(self, key, cache: list, fed: list[int], first: int, budget: int, row: Row,
                logprobs: bool = False) -> None:
-        """Add a sequence: `cache` holds `fed`, its prompt but `last`, which the next step feeds."""
-        self.insert_many([Joining(key, cache, fed, last, budget, row, logprobs)])
+        """Add a sequence: `cache` holds `fed`, its prompt; `first`, its first token, the next step feeds."""
+        self.insert_many([Joining(key, cache, fed, first, budget, row, logprobs)])
 
     def insert_many(self, joining: list[Joining]) -> None:
         """Add several sequences at once: their caches merge into the batch's in one operation per layer
@@ -102,48 +100,38 @@ class DecodeBatch:
                     for mine, theirs in zip(self.cache, new, strict=True):
                         mine.extend(theirs)
                 self.batched = True
-            first = mx.array([j.last for j in joining], mx.uint32)
+            first = mx.array([j.first for j in joining], mx.uint32)
             self.inputs = first if self.inputs is None else mx.concatenate([self.inputs, first])
-            if self.input_logprobs is not None:  # their first inputs were not drawn: rows of zeros
+            if self.input_logprobs is not None:  # their first tokens' went out with them: zeros
                 self.input_logprobs = mx.concatenate([self.input_logprobs,
                                                       mx.zeros((len(joining), self.input_logprobs.shape[-1]),
                                                                self.input_logprobs.dtype)])
         self.slots += [Slot(j.key, j.budget, list(j.fed), j.logprobs) for j in joining]
-        self.sampler.extend([j.row for j in joining], [j.fed for j in joining])
+        self.sampler.extend([j.row for j in joining], [j.fed for j in joining], drawn=1)  # their first: drawn
 
     def step(self) -> list[Token]:
         """Queue the next forward pass, then hand out each sequence's token from the last one (none for
-        a sequence that just joined: its first step feeds its prompt's last token)."""
+        a sequence that just joined: its first token was handed out before)."""
         if not self.slots:
             return []
         with mx.stream(self.stream):
             current, current_logprobs = self.inputs, self.input_logprobs
             logits = self.model(current[:, None], cache=self.cache)[:, -1, :]
-            generated = [slot.generated for slot in self.slots]
-            logits = self.sampler.process(logits, current, generated)
+            logits = self.sampler.process(logits, current, [True] * len(self.slots))
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             self.inputs = self.sampler.sample(logprobs)
             wanted = any(slot.logprobs for slot in self.slots)
             self.input_logprobs = logprobs if wanted else None
             mx.async_eval(self.inputs, *([logprobs] if wanted else []))
             tokens = current.tolist()
-            # A sequence that just joined fed its prompt's last token: its first token is being computed
-            # now. It is read back at once, not at the next step: that waits for this pass and leaves the
-            # device idle while the next one is built, but only at a step where someone joins, and every
-            # request's first token comes a decode step sooner (~10 ms beside 64 rows on a GPU, 100 ms
-            # and more on a CPU).
-            first = self.inputs.tolist() if not all(slot.generated for slot in self.slots) else None
         self.steps += 1
         if self.steps % CLEAR_EVERY == 0:
             mx.clear_cache()
         out = []
         for i, (slot, token) in enumerate(zip(self.slots, tokens, strict=True)):
             slot.fed.append(token)
-            if not slot.generated:  # its prompt's last token: its first token is handed out now
-                slot.generated = slot.ahead = True
-                out.append(self._hand(slot, first[i], self.input_logprobs, i))
-            elif slot.ahead:  # handed out at the step that computed it
-                slot.ahead = False
+            if slot.joined:  # its first token: handed out when it joined
+                slot.joined = False
             else:
                 out.append(self._hand(slot, token, current_logprobs, i))
         return out

@@ -10,7 +10,9 @@ choices of one prompt (`n`) share its processing; each starts from its own copy 
 Prompts that a turn finishes are processed in one forward pass, padded as mlx-lm's own batch
 prefill does (caches aligned on the left, new tokens padded on the right, the padding rolled to
 the front after): 32 short prompts cost about one pass, not 32, and those that resume from a
-cached prefix (a shared system prompt) join it too.
+cached prefix (a shared system prompt) join it too. The pass that finishes a prompt gives the logits
+of its last position, from which its choices draw their first tokens (workers/backends/textbatch.py):
+a request's first token comes from its prompt's own pass, not from a decode step after it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 
@@ -32,8 +35,8 @@ class Start:
     row: object  # its sampling settings (workers/backends/sampling.py's Row)
     order: int  # its prompt's arrival in the batch
     cache: list | None = None
-    fed: list[int] = field(default_factory=list)  # the tokens in `cache`
-    last: list[int] = field(default_factory=list)  # the prompt's last token, fed by the decoder
+    fed: list[int] = field(default_factory=list)  # the tokens in `cache`: the whole prompt, once processed
+    first: int | None = None  # its first token (handed out), which the decoder feeds first
 
     @property
     def task(self):
@@ -43,27 +46,33 @@ class Start:
 
 @dataclass(eq=False)
 class Prompt:
-    """One input of a request, being processed; its choices start from it when only one token is left."""
+    """One input of a request, being processed; its choices start from it once it all is."""
 
     task: object
     starts: list[Start]
     cache: list
     fed: list[int]  # the tokens whose keys and values are in the cache
-    rest: list[int]  # the tokens still to feed; the last one is the decoder's
+    rest: list[int]  # the tokens still to process
     order: int
     turns: int = 0  # prompt-processing turns it has had
 
     @property
     def left(self) -> int:
         """Prompt tokens still to process before it can decode."""
-        return len(self.rest) - 1
+        return len(self.rest)
 
-    def feed(self, model, n: int) -> None:
-        """Process its next `n` tokens into its cache."""
+    def feed(self, model, n: int) -> mx.array | None:
+        """Process its next `n` tokens into its cache; once that finishes the prompt, the logits (V,) at
+        its last token (what its first token is drawn from)."""
         part, self.rest = self.rest[:n], self.rest[n:]
-        model(mx.array(part)[None], cache=self.cache)
-        mx.eval([c.state for c in self.cache])
+        if self.rest:  # more to come: only the cache is computed
+            model(mx.array(part)[None], cache=self.cache)
+            logits = None
+        else:
+            logits = last_logits(model, mx.array(part)[None], self.cache, [len(part) - 1])[0]
+        mx.eval([c.state for c in self.cache], *([logits] if logits is not None else []))
         self.fed.extend(part)
+        return logits
 
     @property
     def plain(self) -> bool:
@@ -74,25 +83,69 @@ class Prompt:
         """Its choices, each with a cache of its own, once prefill is over."""
         for i, start in enumerate(self.starts):
             start.cache = self.cache if i == len(self.starts) - 1 else copy.deepcopy(self.cache)
-            start.fed, start.last = list(self.fed), list(self.rest)
+            start.fed = list(self.fed)
         return self.starts
 
 
-def feed_together(model, prompts: list[Prompt]) -> None:
+class _AtPositions(nn.Module):
+    """A model's backbone that hands on one position per row of its hidden states, so the output layer
+    after it runs on those only (whatever the model does there: tied embeddings, soft-capping, scaling)."""
+
+    def __init__(self, backbone: nn.Module, positions: list[int]):
+        super().__init__()
+        self.backbone = backbone
+        self.rows, self.positions = mx.arange(len(positions)), mx.array(positions)
+
+    def __call__(self, *args, **kwargs):
+        hidden = self.backbone(*args, **kwargs)
+        if isinstance(hidden, mx.array) and hidden.ndim == 3:
+            return hidden[self.rows, self.positions][:, None]
+        return hidden
+
+    def __getattr__(self, key: str):
+        value = self.get(key, None)
+        if value is None and "backbone" in self:  # the backbone's own parts (embed_tokens for a tied head)
+            return getattr(self["backbone"], key)
+        return super().__getattr__(key)
+
+
+def last_logits(model, inputs: mx.array, cache: list, positions: list[int]) -> mx.array:
+    """Run `inputs` (B, L) through the model into `cache`; the logits (B, V) at one position per row.
+
+    The output layer runs on those positions only where the backbone is `model.model` (mlx-lm's models,
+    mostly): over a whole 512-token chunk, the demo model's output layer costs a CPU more than a decode step.
+    Elsewhere every position's logits are computed and those picked (right, only slower)."""
+    backbone = model.get("model") if isinstance(model, nn.Module) else None
+    if isinstance(backbone, nn.Module) and inputs.shape[1] > 1:
+        model.model = _AtPositions(backbone, positions)
+        try:
+            logits = model(inputs, cache=cache)
+        finally:
+            model.model = backbone
+        if logits.shape[1] == 1:
+            return logits[:, 0]
+    else:
+        logits = model(inputs, cache=cache)
+    return logits[mx.arange(len(positions)), mx.array(positions)]
+
+
+def feed_together(model, prompts: list[Prompt]) -> mx.array:
     """Process what is left of several prompts (plain caches) in one forward pass; each keeps its own cache.
+    Returns the logits (B, V) at each one's last token.
 
     Their caches are merged, aligned at their ends (left padding); the new tokens are padded on the
     right to one length, and the batch cache rolls that padding to the front afterwards. The mask
     hides all padding and per-row offsets keep every row's positions as they would be alone.
     """
-    parts = [prompt.rest[:prompt.left] for prompt in prompts]
+    parts = list(prompt.rest for prompt in prompts)
     width = max(len(part) for part in parts)
     padding = [width - len(part) for part in parts]
     cache = [BatchKVCache.merge(list(layer)) for layer in zip(*(prompt.cache for prompt in prompts), strict=True)]
     if any(padding):
         for layer in cache:
             layer.prepare(lengths=[len(part) for part in parts], right_padding=padding)
-    model(mx.array([part + [0] * pad for pad, part in zip(padding, parts, strict=True)]), cache=cache)
+    inputs = mx.array([part + [0] * pad for pad, part in zip(padding, parts, strict=True)])
+    logits = last_logits(model, inputs, cache, [len(part) - 1 for part in parts])
     if any(padding):
         for layer in cache:
             layer.finalize()
@@ -108,7 +161,8 @@ def feed_together(model, prompts: list[Prompt]) -> None:
         prompt.fed.extend(part)
         prompt.rest = prompt.rest[len(part):]
     # Evaluated here, so no prompt's cache keeps the whole padded batch alive.
-    mx.eval([c.state for prompt in prompts for c in prompt.cache])
+    mx.eval(logits, [c.state for prompt in prompts for c in prompt.cache])
+    return logits
 
 
 def _row(layer: BatchKVCache, row: int, start: int, end: int) -> KVCache:

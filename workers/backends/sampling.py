@@ -93,11 +93,12 @@ class BatchSampler:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def extend(self, rows: list[Row], contexts: list[list[int]]) -> None:
-        """Add rows; `contexts` are the tokens each has seen (for the repetition penalty's window)."""
+    def extend(self, rows: list[Row], contexts: list[list[int]], drawn: int = 0) -> None:
+        """Add rows; `contexts` are the tokens each has seen (for the repetition penalty's window), `drawn`
+        the draws each has made elsewhere (a first token drawn from its prompt's pass)."""
         old = len(self.rows)
         self.rows += rows
-        self.drawn += [0] * len(rows)
+        self.drawn += [drawn] * len(rows)
         if any(r.penalized for r in self.rows):
             self.counts = _joined(self.counts, old, mx.zeros((len(rows), self.vocab), mx.float32))
         if any(r.repetition_penalty != 1.0 for r in self.rows):

@@ -4,8 +4,9 @@ Every request for the model decodes in one batch: a request joins at the next st
 it is done or canceled. Its prompts are processed first, in turns of at most PREFILL_CHUNK tokens
 (workers/backends/prefill.py: a new request's before the rest of a big one's); while anyone
 decodes, prompt processing gets at most half of the time, so a long prompt delays the others'
-tokens by one turn at most and a short request starts within a turn or two of arriving. Decoding
-holds up to `max_batch` sequences, shared out among requests fewest-first, and a request with
+tokens by one turn at most and a short request starts within a turn or two of arriving; the turn that
+finishes a prompt draws its choices' first tokens (a request's first token does not wait for a decode
+step). Decoding holds up to `max_batch` sequences, shared out among requests fewest-first, and a request with
 nothing decoding yet always starts one, so none waits for another's many choices to finish.
 Decoding is one forward pass and one sampling computation for every sequence
 (workers/backends/decoding.py, workers/backends/sampling.py), whatever each one's sampling settings.
@@ -152,10 +153,7 @@ class TextBatch:
             for i, (ids, budget) in enumerate(prepared.prompts):
                 prompt = self._prompt(task, i, ids, budget, prepared.grammar)
                 sequences += [start.seq for start in prompt.starts]
-                if prompt.left:
-                    self.prefilling.append(prompt)
-                else:  # all but its last token came from the prompt cache
-                    self.ready += prompt.ready()
+                self.prefilling.append(prompt)
             self.members[task] = Member(task, sequences)
 
     def remove(self, task) -> None:
@@ -221,18 +219,48 @@ class TextBatch:
         return turn if new or time.monotonic() >= self.next_turn_at else []
 
     def _prefill(self, turn: list[tuple[Prompt, int]]) -> None:
-        """Process the turn's prompts; those that are done get ready to decode."""
+        """Process the turn's prompts; the choices of those that are done draw their first tokens."""
         together = self._together([prompt for prompt, tokens in turn if tokens == prompt.left and prompt.plain])
+        done = []  # (prompt, the logits at its last token)
         with mx.stream(self.stream):
             if together:
-                prefill.feed_together(self.resident.model, together)
+                done += zip(together, prefill.feed_together(self.resident.model, together), strict=True)
             for prompt, tokens in turn:
                 prompt.turns += 1
                 if prompt not in together:
-                    prompt.feed(self.resident.model, tokens)
-                if not prompt.left:
-                    self.prefilling.remove(prompt)
-                    self.ready += prompt.ready()
+                    logits = prompt.feed(self.resident.model, tokens)
+                    if logits is not None:
+                        done.append((prompt, logits))
+            if done:
+                self._first_tokens(done)
+
+    def _first_tokens(self, done: list[tuple[Prompt, mx.array]]) -> None:
+        """Each choice of the processed prompts draws its first token from its prompt's last logits (one
+        sampling computation for all, as a decode step's) and hands it out; those that go on get ready to
+        decode, those that end at it (an end of sequence, a budget of one) keep their caches. Drawn here,
+        a first token does not wait for the batch's next decode step (~10 ms beside 64 rows on a GPU, a
+        tenth of a second and more on a CPU)."""
+        starts = [(start, prompt, logits) for prompt, logits in done for start in prompt.ready()]
+        for prompt, _ in done:
+            self.prefilling.remove(prompt)
+        rows = sampling.BatchSampler(self.vocab)
+        rows.extend([start.row for start, _, _ in starts], [prompt.fed[:-1] for _, prompt, _ in starts])
+        last = mx.array([prompt.fed[-1] for _, prompt, _ in starts], mx.uint32)
+        logits = rows.process(mx.stack([logits for _, _, logits in starts]), last, [False] * len(starts))
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        tokens = rows.sample(logprobs).tolist()
+        ended = []
+        for row, ((start, _, _), token) in enumerate(zip(starts, tokens, strict=True)):
+            finish = "stop" if token in self.decoder.eos else ("length" if start.budget <= 1 else None)
+            wanted = start.task.request.sampling.logprobs is not None
+            if start.seq.advance(token, finish, logprobs[row] if wanted else None):
+                ended.append((start.cache, start.fed))
+            else:
+                start.first = token
+                self.ready.append(start)
+        if ended:  # their caches serve later requests that start the same way
+            self._keep(ended)
+            self._trim_kept()
 
     def _together(self, whole: list[Prompt]) -> list[Prompt]:
         """The prompts of a turn to process in one pass: those that fit MERGE_BYTES once their cached
@@ -275,7 +303,7 @@ class TextBatch:
             decoding[start.task] += 1
             total += 1
         self.ready = [start for start in self.ready if start not in joining]
-        self.decoder.insert_many([Joining(start.seq, start.cache, start.fed, start.last[-1], start.budget, start.row,
+        self.decoder.insert_many([Joining(start.seq, start.cache, start.fed, start.first, start.budget, start.row,
                                           start.task.request.sampling.logprobs is not None) for start in joining])
 
     def _trim_kept(self) -> None:
