@@ -180,3 +180,17 @@ def openai_client(service):
     import openai
 
     return openai.OpenAI(base_url=service.base_url + "/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def pytest_collection_modifyitems(items):
+    """Schemathesis names its items by operation but gives them all one node id; pytest-xdist schedules by
+    node id, so it ran one operation of 22. Each gets the operation in its id."""
+    for item in items:
+        label = getattr(item, "operation_label", None)
+        if label and not item.nodeid.endswith(f"[{label}]"):
+            if hasattr(item, "_id"):  # pytest 9: a structured id
+                from _pytest.nodes import coerce_node_id
+
+                item._id = coerce_node_id(f"{item.nodeid}[{label}]")
+            else:
+                item._nodeid = f"{item.nodeid}[{label}]"
