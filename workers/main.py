@@ -189,8 +189,7 @@ class Heartbeat:
         """One heartbeat; now and then a recovery sweep and a spool cleanup."""
         self.conn.set(self.key, self.value, px=int(self.settings.worker_dead_after_s * 1000))
         active = self.scheduler.active()
-        for task in active:
-            rqjobs.heartbeat(task.job, task.execution)
+        rqjobs.heartbeat([(task.job, task.execution) for task in active])
         self.rq_worker.heartbeat()
         self.rq_worker.set_state("busy" if active else "idle")
         self.idle_release.beat(bool(active))

@@ -91,11 +91,16 @@ def start(job: Job, worker_name: str) -> Execution:
     return execution
 
 
-def heartbeat(job: Job, execution: Execution) -> None:
-    """Keep a running job in its started registry (a job whose heartbeats stop is abandoned)."""
-    with job.connection.pipeline() as pipe:
-        job.heartbeat(now(), HEARTBEAT_TTL_S, pipeline=pipe, xx=True)
-        execution.heartbeat(job.started_job_registry, HEARTBEAT_TTL_S, pipe)
+def heartbeat(running: list[tuple[Job, Execution]]) -> None:
+    """Keep running jobs in their started registries (a job whose heartbeats stop is abandoned), in one
+    round trip: one each, 64 jobs decoding together cost the worker's MLX thread a tenth of its time
+    (the GIL) on a GPU."""
+    if not running:
+        return
+    with running[0][0].connection.pipeline() as pipe:
+        for job, execution in running:
+            job.heartbeat(now(), HEARTBEAT_TTL_S, pipeline=pipe, xx=True)
+            execution.heartbeat(job.started_job_registry, HEARTBEAT_TTL_S, pipe)
         pipe.execute()
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from rq import Queue, Worker
 from rq.job import JobStatus
 from rq.serializers import JSONSerializer
@@ -31,14 +33,20 @@ def test_a_job_is_started_heartbeaten_then_finished_with_its_return_value(redis_
     assert fetched.get_status() == JobStatus.STARTED and fetched.worker_name == "worker-a"
     started = taken.started_job_registry
     assert started.get_job_ids(cleanup=False) == ["job-1"]
-    before = redis_conn.zscore(started.key, f"job-1:{execution.id}")
-    rqjobs.heartbeat(taken, execution)
-    assert redis_conn.zscore(started.key, f"job-1:{execution.id}") >= before
+    # Heartbeats keep every running job in its registry, in one call: an entry about to expire is renewed.
+    _queued(redis_conn, settings, "job-other")
+    other, _ = rqjobs.take([queues.get_queue(queues.INTERACTIVE, redis_conn)], redis_conn)
+    other_execution = rqjobs.start(other, "worker-a")
+    entries = [f"job-1:{execution.id}", f"job-other:{other_execution.id}"]
+    redis_conn.zadd(started.key, {entry: time.time() + 1 for entry in entries})
+    rqjobs.heartbeat([(taken, execution), (other, other_execution)])
+    assert all(redis_conn.zscore(started.key, entry) > time.time() + 10 for entry in entries)
+    rqjobs.succeed(other, other_execution, None)
     rqjobs.succeed(taken, execution, {"answer": 42})
     fetched = queues.fetch_job(redis_conn, job.id)
     assert fetched.get_status() == JobStatus.FINISHED and fetched.return_value() == {"answer": 42}
     assert started.get_job_ids(cleanup=False) == []
-    assert taken.finished_job_registry.get_job_ids() == ["job-1"]
+    assert sorted(taken.finished_job_registry.get_job_ids()) == ["job-1", "job-other"]
 
 
 def test_a_failed_job_keeps_its_reason(redis_conn, settings):
