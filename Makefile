@@ -15,10 +15,12 @@ endif
 
 .PHONY: run test setup system-deps models lint clean
 
+# --no-compile: Python compiles what it imports when it first imports it; compiling every installed file
+# took half of the install (85 s against 41 s on a 2-core machine, wheels from pip's cache).
 $(BIN)/.installed-$(MLX_BACKEND): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[$(EXTRAS)]'
+	$(BIN)/python -m pip install --quiet --no-compile -e '.[$(EXTRAS)]'
 	@rm -f $(BIN)/.installed-*
 	@touch $@
 
