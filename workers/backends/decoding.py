@@ -102,7 +102,7 @@ class DecodeBatch:
                 self.batched = True
             first = mx.array([j.first for j in joining], mx.uint32)
             self.inputs = first if self.inputs is None else mx.concatenate([self.inputs, first])
-            if self.input_logprobs is not None:  # their first tokens' went out with them: zeros
+            if self.input_logprobs is not None:  # their first tokens went out with them: zeros
                 self.input_logprobs = mx.concatenate([self.input_logprobs,
                                                       mx.zeros((len(joining), self.input_logprobs.shape[-1]),
                                                                self.input_logprobs.dtype)])

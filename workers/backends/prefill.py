@@ -113,7 +113,7 @@ def last_logits(model, inputs: mx.array, cache: list, positions: list[int]) -> m
     """Run `inputs` (B, L) through the model into `cache`; the logits (B, V) at one position per row.
 
     The output layer runs on those positions only where the backbone is `model.model` (mlx-lm's models,
-    mostly): over a whole 512-token chunk, the demo model's output layer costs a CPU more than a decode step.
+    mostly): a chunk's full logits are its length times the vocabulary, and only one row of them is needed.
     Elsewhere every position's logits are computed and those picked (right, only slower)."""
     backbone = model.get("model") if isinstance(model, nn.Module) else None
     if isinstance(backbone, nn.Module) and inputs.shape[1] > 1:
@@ -137,7 +137,7 @@ def feed_together(model, prompts: list[Prompt]) -> mx.array:
     right to one length, and the batch cache rolls that padding to the front afterwards. The mask
     hides all padding and per-row offsets keep every row's positions as they would be alone.
     """
-    parts = list(prompt.rest for prompt in prompts)
+    parts = [prompt.rest for prompt in prompts]
     width = max(len(part) for part in parts)
     padding = [width - len(part) for part in parts]
     cache = [BatchKVCache.merge(list(layer)) for layer in zip(*(prompt.cache for prompt in prompts), strict=True)]
