@@ -260,7 +260,6 @@ class TextBatch:
                 self.ready.append(start)
         if ended:  # their caches serve later requests that start the same way
             self._keep(ended)
-            self._trim_kept()
 
     def _together(self, whole: list[Prompt]) -> list[Prompt]:
         """The prompts of a turn to process in one pass: those that fit MERGE_BYTES once their cached
@@ -277,16 +276,17 @@ class TextBatch:
                     if out.key.advance(out.token, out.finish_reason, out.logprobs)]
         if finished:  # their caches serve later requests that start the same way
             self._keep(self.decoder.remove(finished, keep_caches=True))
-            self._trim_kept()
 
     def _keep(self, kept: list[tuple[list, list[int]]]) -> None:
         """Put finished sequences' caches in the prompt cache. Each is a row cut from the batch's
         buffers: evaluated now, it becomes a copy of its own; left lazy, the kept entry would hold
         the whole batch's keys and values for as long as it stays (GiBs, never freed while idle).
-        One evaluation for all of them: each is a wait for the device."""
+        One evaluation for all of them: each is a wait for the device. Kept caches never crowd out
+        running requests (`_trim_kept`)."""
         mx.eval([c.state for cache, _ in kept for c in cache])
         for cache, tokens in kept:
             self.prompt_cache.insert_cache(self.key, list(tokens), cache)
+        self._trim_kept()
 
     def _start_ready(self) -> None:
         """Start the ready choices that have room to decode: the requests with the fewest decoding
