@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import time
 import uuid
@@ -437,7 +438,8 @@ def test_a_first_token_comes_from_its_prompts_own_pass(redis_conn, settings, wor
 
 
 def test_a_short_request_starts_within_a_chunk_or_two_while_long_prompts_prefill(
-        redis_conn, settings, worker_parts, small_chunks, processed, prepared_when_taken, alone):
+        redis_conn, settings, worker_parts, small_chunks, processed, prepared_when_taken, alone, caplog):
+    caplog.set_level(logging.DEBUG, logger=textbatch.__name__)  # each request's timeline, logged as it ends
     longs = [chat(settings, f"{i}: Summarise this: {FOX * 16}", max_tokens=4) for i in range(2)]  # 3 chunks
     for request in longs:
         submit(redis_conn, settings, request)
@@ -445,7 +447,7 @@ def test_a_short_request_starts_within_a_chunk_or_two_while_long_prompts_prefill
     step_until(run, lambda: run.text and sum(len(b.prefilling) for b in run.text.values()) == 2
                and any(p.fed for b in run.text.values() for p in b.prefilling))
     short = chat(settings, QUESTIONS[1], max_tokens=4)
-    submit(redis_conn, settings, short)
+    job_id = submit(redis_conn, settings, short)
     run.admission.look_now()
     before = processed[0]
     steps = first_token_step(run, short)
@@ -455,6 +457,9 @@ def test_a_short_request_starts_within_a_chunk_or_two_while_long_prompts_prefill
     assert all(not any(e["type"] == "done" for e in read_log(redis_conn, r.id)) for r in longs)
     run.run()
     assert texts(done(redis_conn, short.id)) == texts(alone(short))
+    # The DEBUG timeline says the same: its first token came at its own turn, nobody decoding before it.
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"text request {job_id} ")]
+    assert "turns before its first token: 1 prompt processing, 0 decoding" in line, line
 
 
 def test_a_short_request_does_not_wait_for_a_big_requests_many_choices(redis_conn, settings, worker_parts,
@@ -552,6 +557,37 @@ def test_whole_prompts_that_share_a_turn_are_processed_in_one_pass_as_they_would
         next_a = resident.model(token, cache=a.cache)[0, -1]
         next_b = resident.model(token, cache=b.cache)[0, -1]
         assert mx.allclose(next_a, next_b, atol=1e-3).item() and mx.argmax(next_a).item() == mx.argmax(next_b).item()
+
+
+def test_leaving_rows_keep_the_caches_mlx_lm_would_extract(worker_parts, settings):
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from workers.backends.decoding import DecodeBatch, Joining
+    from workers.backends.sampling import Row
+
+    models, _ = worker_parts
+    resident = models.get(ref(settings))
+    vocab = textgen.output_size(resident.model, resident.processor)
+    decoder = DecodeBatch(resident.model, vocab, set())
+    joining, keys = [], [object() for _ in range(3)]  # the decoder tells its sequences apart by identity
+    for i, n in enumerate((3, 11, 6)):  # prompts of different lengths: each row its own left padding
+        ids = list(range(100 + i, 100 + i + n))
+        prompt = Prompt(None, [], make_prompt_cache(resident.model), [], ids, i)
+        prompt.feed(resident.model, n)
+        joining.append(Joining(keys[i], prompt.cache, prompt.fed, 7, 100, Row()))
+    decoder.insert_many(joining)
+    for _ in range(3):
+        decoder.step()
+    mx.eval(decoder.inputs)
+    expected = {i: [c.extract(i) for c in decoder.cache] for i in (0, 2)}
+    kept = decoder.remove([keys[0], keys[2]], keep_caches=True)
+    assert [len(fed) for _, fed in kept] == [3 + 3, 6 + 3]  # the prompt and the three tokens the steps fed
+    for (cache, fed), i in zip(kept, (0, 2), strict=True):
+        for mine, theirs in zip(cache, expected[i], strict=True):
+            assert mine.offset == theirs.offset == len(fed)
+            assert mx.array_equal(mine.keys, theirs.keys).item() and mx.array_equal(mine.values, theirs.values).item()
+    assert len(decoder) == 1 and decoder.slots[0].key is keys[1]
 
 
 def test_kept_caches_are_copies_of_their_rows_not_views_of_the_batch(redis_conn, settings, worker_parts):

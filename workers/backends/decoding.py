@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from workers.backends.prefill import row_cache
 from workers.backends.sampling import BatchSampler, Row
 
 CLEAR_EVERY = 512
@@ -152,11 +153,15 @@ class DecodeBatch:
         kept = []
         with mx.stream(self.stream):
             if keep_caches:
+                # Each row's padding read once for all of them: mlx-lm's `extract` reads it back from the
+                # device for every row and layer (1,024 waits for 64 rows of a 16-layer model).
+                padding = [c.left_padding.tolist() for c in self.cache] if self.batched else []
                 for i in drop:
                     slot = self.slots[i]
                     # The cache holds one more token than handed out: the last one fed (its keys and values
                     # are being computed now); `fed` lists exactly what it holds.
-                    cache = [c.extract(i) for c in self.cache] if self.batched else self.cache
+                    cache = ([row_cache(c, i, pad[i], c.size()) for c, pad in zip(self.cache, padding, strict=True)]
+                             if self.batched else self.cache)
                     kept.append((cache, list(slot.fed)))
             keep = [i for i in range(len(self.slots)) if i not in set(drop)]
             self.slots = [self.slots[i] for i in keep]

@@ -157,7 +157,7 @@ def feed_together(model, prompts: list[Prompt]) -> mx.array:
     end = cache[0].size()
     for row, (prompt, part, pad) in enumerate(zip(prompts, parts, padding, strict=True)):
         start = longest - len(prompt.fed) + pad
-        prompt.cache = [_row(layer, row, start, end) for layer in cache]
+        prompt.cache = [row_cache(layer, row, start, end) for layer in cache]
         prompt.fed.extend(part)
         prompt.rest = prompt.rest[len(part):]
     # Evaluated here, so no prompt's cache keeps the whole padded batch alive.
@@ -165,8 +165,8 @@ def feed_together(model, prompts: list[Prompt]) -> mx.array:
     return logits
 
 
-def _row(layer: BatchKVCache, row: int, start: int, end: int) -> KVCache:
-    """One row of a batch cache, from `start` to `end`, as a plain cache of its own."""
+def row_cache(layer: BatchKVCache, row: int, start: int, end: int) -> KVCache:
+    """One row of a batch cache, from `start` to `end`, as a plain cache of its own (a lazy copy)."""
     cache = KVCache()
     cache.keys = mx.contiguous(layer.keys[row:row + 1, :, start:end])
     cache.values = mx.contiguous(layer.values[row:row + 1, :, start:end])
