@@ -26,6 +26,7 @@ import logging
 import time
 from collections import Counter, deque
 from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream, maybe_set_recommended_wired_limit
@@ -66,6 +67,26 @@ def batchable(model) -> bool:
     return all(hasattr(c, "merge") for c in make_prompt_cache(model))
 
 
+@dataclass
+class Timeline:
+    """Where a request's first token waited (kept at DEBUG level, logged when it ends): its times since
+    it was taken, and the batch's turns between then and its first token."""
+
+    taken: float
+    turns: Counter  # the batch's turns when it was taken; once its first token is drawn, the turns since
+    prepared: float | None = None
+    joined: float | None = None
+    first: float | None = None
+
+    def __str__(self) -> str:
+        def ms(at: float | None) -> str:
+            return "-" if at is None else f"{1000 * (at - self.taken):.1f} ms"
+
+        return (f"prepared at {ms(self.prepared)}, joined at {ms(self.joined)}, first token at {ms(self.first)} "
+                f"after it was taken; turns before its first token: {self.turns['prefill']} prompt processing, "
+                f"{self.turns['decode']} decoding")
+
+
 class TextBatch:
     """The text requests decoding together on one resident model."""
 
@@ -90,6 +111,8 @@ class TextBatch:
         self.next_turn_at = 0.0  # while anyone decodes, no prompt-processing turn before this (monotonic)
         self._order = itertools.count()
         self.interval = settings.stream_interval_ms / 1000
+        self.turns = Counter()  # the batch's turns so far: "prefill" and "decode"
+        self.timelines: dict[object, Timeline] = {}  # at DEBUG level: where each request's first token waited
 
     def __len__(self) -> int:
         return len(self.members) + len(self.waiting) + len(self.preparing) + len(self.refused)
@@ -115,6 +138,8 @@ class TextBatch:
         future = prepare.submit(self._prepare, task.request)
         self.preparing[task] = future
         self.fresh.append(future)
+        if log.isEnabledFor(logging.DEBUG):
+            self.timelines[task] = Timeline(time.monotonic(), Counter(self.turns))
 
     def _prepare(self, request) -> prepare.Prepared:
         """The request prepared for this batch's model (on a preparing thread)."""
@@ -127,6 +152,8 @@ class TextBatch:
             if not future.done():
                 continue
             del self.preparing[task]
+            if task in self.timelines:
+                self.timelines[task].prepared = time.monotonic()
             try:
                 self.waiting.append((task, future.result()))
             except Exception as exc:  # noqa: BLE001 (the request's own error, told to its client)
@@ -155,9 +182,12 @@ class TextBatch:
                 sequences += [start.seq for start in prompt.starts]
                 self.prefilling.append(prompt)
             self.members[task] = Member(task, sequences)
+            if task in self.timelines:
+                self.timelines[task].joined = time.monotonic()
 
     def remove(self, task) -> None:
         """Take a request out of the batch (canceled, failed or timed out); the others go on."""
+        self.timelines.pop(task, None)
         self.preparing.pop(task, None)  # its preparation may finish; nobody collects it
         self.refused = [item for item in self.refused if item[0] is not task]
         self.waiting = deque(item for item in self.waiting if item[0] is not task)
@@ -182,6 +212,8 @@ class TextBatch:
         self._collect_prepared()
         refused, self.refused = self.refused, []
         turn = self._prefill_turn_due()
+        if turn or self.sequences:
+            self.turns["prefill" if turn else "decode"] += 1
         if turn:
             started = time.monotonic()
             self._prefill(turn)
@@ -258,6 +290,9 @@ class TextBatch:
             else:
                 start.first = token
                 self.ready.append(start)
+            timeline = self.timelines.get(start.task)
+            if timeline is not None and timeline.first is None:
+                timeline.first, timeline.turns = time.monotonic(), self.turns - timeline.turns
         if ended:  # their caches serve later requests that start the same way
             self._keep(ended)
 
@@ -353,6 +388,14 @@ class TextBatch:
                     tokens = sum(s.tokens for s in member.sequences)
                     ended.append((member.task, Canceled(f"canceled after {tokens} generated tokens")))
         for task, result in ended:
+            timeline = self.timelines.pop(task, None)
+            if timeline is not None:
+                queued = "-" if task.waited_s is None else f"{1000 * task.waited_s:.1f} ms"
+                member = self.members.get(task)
+                prompts = {s.index // task.request.n: s.prompt_tokens for s in member.sequences} if member else {}
+                prompt = sum(prompts.values())
+                log.debug("text request %s (%d prompt tokens): %s in its queue, %s", task.job.id, prompt, queued,
+                          timeline)
             if isinstance(result, Exception):
                 self.remove(task)
             self.members.pop(task, None)
