@@ -149,3 +149,20 @@ def test_a_mask_narrower_than_the_output_disallows_the_rest():
     words = np.full((1, 1), 0xFFFFFFFF, np.uint32)  # a grammar over 32 tokens, all allowed
     out = sampling.masked(mx.zeros((1, 40)), [0], words)
     assert [math.isinf(v) for v in out[0].tolist()] == [False] * 32 + [True] * 8
+
+
+def test_the_compiled_steps_serve_every_batch_size_from_one_trace():
+    # On a GPU the draw and the penalties run compiled; rows come and go, and a compile per batch size was
+    # rebuilt at each new one (seconds on CUDA). Compiled for every size, they trace once and compute what
+    # the plain functions do.
+    vocab, before = 500, (sampling.draw.traces, sampling.penalties.traces)
+    for rows in (3, 5, 2):
+        logprobs = mx.log(mx.softmax(mx.random.normal((rows, vocab), key=mx.random.key(rows)), axis=-1))
+        args = (logprobs, mx.full((rows,), 1.3), mx.array([1.0, 0.0] * (rows // 2) + [1.0] * (rows % 2)),
+                mx.arange(rows).astype(mx.uint32), mx.arange(rows).astype(mx.uint32) * 7,
+                mx.full((rows,), 4, mx.uint32), mx.full((rows,), -mx.inf))
+        assert mx.array_equal(sampling.draw.compiled(*args), sampling.draw(*args)).item()
+        counts = (mx.random.uniform(shape=(rows, vocab), key=mx.random.key(9)) > 0.9).astype(mx.float32)
+        args = (logprobs, counts, mx.full((rows,), 0.5), mx.full((rows,), 0.25))
+        assert mx.allclose(sampling.penalties.compiled(*args), sampling.penalties(*args)).item()
+    assert (sampling.draw.traces, sampling.penalties.traces) == (before[0] + 1, before[1] + 1)

@@ -230,13 +230,22 @@ def repetition(logits: mx.array, recent: mx.array, penalty: mx.array) -> mx.arra
 def _gpu_compiled(fn):
     """`fn` compiled by MLX on a GPU, where fusing the step's elementwise work into a few kernels pays
     (uncompiled Gumbel noise took 0.7 ms of a 6 ms step at 64 rows on the H100; compiled, 0.2); as it is
-    on a CPU, where MLX's compiled code ran it slower (35 vs 49 ms for the same noise, 8 rows)."""
-    compiled = mx.compile(fn)
+    on a CPU, where MLX's compiled code ran it slower (35 vs 49 ms for the same noise, 8 rows).
+
+    Compiled once for every batch size (`shapeless`): rows come and go, and on CUDA each new shape of a
+    shaped compile was traced and its kernels built again, one decode step taking 3-6 s on the H100 at a
+    batch size not met before (the worker's slow-step log, 2026-11-27). `run.traces` counts the traces."""
+
+    def traced(*args):
+        run.traces += 1
+        return fn(*args)
+
+    compiled = mx.compile(traced, shapeless=True)
 
     def run(*args):
         return (compiled if mx.default_device() == mx.gpu else fn)(*args)
 
-    run.__doc__ = fn.__doc__
+    run.__doc__, run.traces, run.compiled = fn.__doc__, 0, compiled
     return run
 
 
@@ -260,7 +269,8 @@ def masked(logits: mx.array, rows: list[int], words: np.ndarray) -> mx.array:
     return logits
 
 
-@_gpu_compiled
+# Not compiled: its top-k slices, which a compile for every batch size cannot do, and compiled per batch size
+# it was rebuilt at each new one (seconds on the H100).
 def thresholds(logprobs: mx.array, top_p: mx.array, top_k: mx.array, min_p: mx.array, candidates: int) -> mx.array:
     """Per row, the lowest log-probability its filters keep: the top_k most likely, the fewest most
     likely that make up top_p of the probability, those at least min_p times the likeliest; at least
@@ -301,7 +311,8 @@ def draw(logprobs: mx.array, inverse: mx.array, sampled: mx.array, seed_lo: mx.a
     the row's uniform; a greedy row's argmax."""
     scaled = mx.where(logprobs >= floor[:, None], logprobs.astype(mx.float32) * inverse[:, None], -mx.inf)
     cumulative = mx.cumsum(mx.exp(scaled - mx.max(scaled, axis=-1, keepdims=True)), axis=-1)
-    target = uniform(seed_lo, seed_hi, drawn) * cumulative[:, -1]
+    # The total is the last cumulative sum, read as the max (the same value: a shapeless compile cannot slice).
+    target = uniform(seed_lo, seed_hi, drawn) * mx.max(cumulative, axis=-1)
     # The first token whose cumulative mass reaches the target (a token of probability 0 never does first).
     token = mx.minimum(mx.sum(cumulative < target[:, None], axis=-1), logprobs.shape[-1] - 1)
     return mx.where(sampled > 0, token, mx.argmax(logprobs, axis=-1)).astype(mx.uint32)
