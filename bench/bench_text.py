@@ -238,8 +238,14 @@ def added_ms(samples: dict, server: str) -> dict:
 
 
 def reexec_with_worker_blas() -> None:
-    """Run this benchmark with the BLAS the worker picks for itself (LD_PRELOAD works only at start)."""
+    """Run this benchmark with the BLAS the worker picks for itself (LD_PRELOAD works only at start) and the
+    worker's MLX settings (workers/process_setup.py), which the servers it starts inherit: every contestant
+    runs the same arithmetic."""
     from workers.platform import choose_blas
+    from workers.process_setup import MLX_ENVIRONMENT
+
+    for name, value in MLX_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
 
     choice = choose_blas()
     if not choice.active() and not os.environ.get("MLXQ_BENCH_REEXEC"):

@@ -22,6 +22,13 @@ MLX_ENVIRONMENT = {
     # serves prompts and audio of every length; evicting and rebuilding a plan only costs time. MLX reads it
     # as it loads.
     "MLX_ENABLE_CACHE_THRASHING_CHECK": "0",
+    # Prompt processing's attention through MLX's own kernels, not cuDNN's: cuDNN builds (and compiles, with
+    # NVRTC) an execution plan for each new shape of batch, chunk and cached length, and a worker meets a new
+    # one with nearly every prompt. On the H100 (2026-11-27, py-spy of the worker) prompt turns waited on
+    # `nvrtcCompileProgram` under cuDNN's plan finalization; with this off, the fairness bench's short chat was
+    # within its limit beside two long prompts in every round (max 42 ms, limit 45), with it on not (max 63, 47).
+    # cuDNN's attention is faster once its plan exists (a 512-token turn after 3,488 tokens: 6.6 ms against 11.3).
+    "MLX_CUDA_USE_CUDNN_SDPA": "0",
 }
 """MLX settings the worker starts with unless the operator's environment sets them."""
 

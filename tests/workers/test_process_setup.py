@@ -14,7 +14,7 @@ from workers import process_setup
 def test_mlx_settings_are_defaults_the_operator_can_override():
     environ = {}
     process_setup.apply(environ)
-    assert environ == {"MLX_ENABLE_CACHE_THRASHING_CHECK": "0"}
+    assert environ == {"MLX_ENABLE_CACHE_THRASHING_CHECK": "0", "MLX_CUDA_USE_CUDNN_SDPA": "0"}
     environ = {"MLX_ENABLE_CACHE_THRASHING_CHECK": "1"}
     process_setup.apply(environ)
     assert environ["MLX_ENABLE_CACHE_THRASHING_CHECK"] == "1"
