@@ -111,6 +111,7 @@ class TextBatch:
         self.next_turn_at = 0.0  # while anyone decodes, no prompt-processing turn before this (monotonic)
         self._order = itertools.count()
         self.interval = settings.stream_interval_ms / 1000
+        self.left_s = 0.0  # how long the last decode step's leaving sequences took to leave (the slow-step log)
         self.turns = Counter()  # the batch's turns so far: "prefill" and "decode"
         self.timelines: dict[object, Timeline] = {}  # at DEBUG level: where each request's first token waited
 
@@ -214,23 +215,30 @@ class TextBatch:
         turn = self._prefill_turn_due()
         if turn or self.sequences:
             self.turns["prefill" if turn else "decode"] += 1
+        started = time.monotonic()
+        self.left_s = 0.0
         if turn:
-            started = time.monotonic()
             self._prefill(turn)
             # Wall time, not the decode steps' own: a decode step's work overlaps the publishing
             # around it (its next token is computed while this one is handed out).
-            ended = time.monotonic()
-            self.next_turn_at = max(self.next_turn_at, 2 * ended - started)
+            self.next_turn_at = max(self.next_turn_at, 2 * time.monotonic() - started)
+            kept_s = 0.0
         else:
-            self._decode()
+            kept_s = self._decode()
+        joined = time.monotonic()
         self._start_ready()
+        publishing = time.monotonic()
         results = refused + self._publish_and_collect()
-        took = time.monotonic() - began
-        if took > SLOW_STEP_S and log.isEnabledFor(logging.DEBUG):
+        ended = time.monotonic()
+        if ended - began > SLOW_STEP_S and log.isEnabledFor(logging.DEBUG):
             done = (f"prefill of {len(turn)} prompts, {sum(n for _, n in turn)} tokens" if turn
                     else f"decode of {self.sequences} sequences")
-            log.debug("slow step: %.0f ms, %s (%d preparing, %d waiting)", 1000 * took, done,
-                      len(self.preparing), len(self.waiting))
+            log.debug("slow step: %.0f ms, %s (%d preparing, %d waiting); admitting %.0f ms, the %s %.0f ms "
+                      "(of which leaving %.0f ms, keeping their caches %.0f ms), joining %.0f ms, publishing %.0f ms",
+                      1000 * (ended - began), done, len(self.preparing), len(self.waiting), 1000 * (started - began),
+                      "turn" if turn else "step", 1000 * (joined - started), 1000 * self.left_s,
+                      1000 * (kept_s - self.left_s),
+                      1000 * (publishing - joined), 1000 * (ended - publishing))
         return results
 
     def _prefill_turn_due(self) -> list[tuple[Prompt, int]]:
@@ -305,12 +313,19 @@ class TextBatch:
                 return whole[:n]
         return []
 
-    def _decode(self) -> None:
-        """One token for every decoding sequence; those that finished leave, their caches kept."""
+    def _decode(self) -> float:
+        """One token for every decoding sequence; those that finished leave, their caches kept. The seconds
+        that keeping took (the slow-step log tells them apart)."""
         finished = [out.key for out in self.decoder.step()
                     if out.key.advance(out.token, out.finish_reason, out.logprobs)]
-        if finished:  # their caches serve later requests that start the same way
-            self._keep(self.decoder.remove(finished, keep_caches=True))
+        self.left_s = 0.0
+        if not finished:
+            return 0.0
+        began = time.monotonic()  # their caches serve later requests that start the same way
+        kept = self.decoder.remove(finished, keep_caches=True)
+        self.left_s = time.monotonic() - began
+        self._keep(kept)
+        return time.monotonic() - began
 
     def _keep(self, kept: list[tuple[list, list[int]]]) -> None:
         """Put finished sequences' caches in the prompt cache. Each is a row cut from the batch's
