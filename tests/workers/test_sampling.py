@@ -166,3 +166,23 @@ def test_the_compiled_steps_serve_every_batch_size_from_one_trace():
         args = (logprobs, counts, mx.full((rows,), 0.5), mx.full((rows,), 0.25))
         assert mx.allclose(sampling.penalties.compiled(*args), sampling.penalties(*args)).item()
     assert (sampling.draw.traces, sampling.penalties.traces) == (before[0] + 1, before[1] + 1)
+
+
+def test_a_filtered_row_draws_among_its_own_candidates_whatever_its_neighbours_ask():
+    # A vocabulary wider than CANDIDATES: a top_p row draws only among its CANDIDATES likeliest tokens, and a
+    # neighbour with a top_k wider than that does not change what the seeded top_p row draws (its filters were
+    # computed over the neighbour's wider candidates, and its nucleus cut elsewhere).
+    vocab = 3 * sampling.CANDIDATES
+    logits = mx.random.normal((vocab,), key=mx.random.key(5)) * 0.01  # nearly flat: the nucleus is wide
+    row = logits - mx.logsumexp(logits)
+    likeliest = set(np.argsort(-np.array(row))[:sampling.CANDIDATES].tolist())
+    top_p = Row(temperature=1.0, top_p=0.99, seed=11)
+
+    def run(rows: list[Row], steps: int = 40) -> list[int]:
+        batch = BatchSampler(vocab)
+        batch.extend(rows, [[]] * len(rows))
+        return [batch.sample(mx.stack([row] * len(rows))).tolist()[0] for _ in range(steps)]
+
+    alone = run([top_p])
+    assert set(alone) <= likeliest and len(set(alone)) > 30
+    assert run([top_p, Row(temperature=1.0, top_k=2 * sampling.CANDIDATES, seed=12)]) == alone

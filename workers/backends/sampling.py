@@ -140,15 +140,18 @@ class BatchSampler:
                 "floor": mx.full((len(rows),), -mx.inf, mx.float32),  # no filters: every token
                 "any_sampled": any(sampled),
             }
-            filtered = [i for i, r in enumerate(rows) if r.filtered]
-            if filtered:
-                self._settings.update({
-                    "filtered": mx.array(filtered, mx.int32),
-                    "top_p": mx.array([rows[i].top_p for i in filtered], mx.float32),
-                    "top_k": mx.array([rows[i].top_k or self.vocab for i in filtered], mx.int32),
-                    "candidates": min(self.vocab, max([CANDIDATES] + [rows[i].top_k for i in filtered])),
-                    "min_p": mx.array([rows[i].min_p for i in filtered], mx.float32),
-                })
+            # Filtered rows in groups of one candidate count each (CANDIDATES, or a wider top_k): a row's filters
+            # look at as many candidates alone as in any batch (a neighbour's wider top_k cut its nucleus elsewhere).
+            widths: dict[int, list[int]] = {}
+            for i, r in enumerate(rows):
+                if r.filtered:
+                    widths.setdefault(min(self.vocab, max(CANDIDATES, r.top_k)), []).append(i)
+            self._settings["filtered"] = [{
+                "rows": mx.array(members, mx.int32), "width": width,
+                "top_p": mx.array([rows[i].top_p for i in members], mx.float32),
+                "top_k": mx.array([rows[i].top_k or self.vocab for i in members], mx.int32),
+                "min_p": mx.array([rows[i].min_p for i in members], mx.float32),
+            } for width, members in sorted(widths.items())]
         return self._settings
 
     def process(self, logits: mx.array, inputs: mx.array, generated: list[bool]) -> mx.array:
@@ -179,11 +182,10 @@ class BatchSampler:
         if not settings["any_sampled"]:  # greedy only: nothing to draw
             return mx.argmax(logprobs, axis=-1).astype(mx.uint32)
         floor = settings["floor"]
-        if "filtered" in settings:
-            rows = settings["filtered"]
-            kept = thresholds(logprobs[rows], settings["top_p"], settings["top_k"], settings["min_p"],
-                              settings["candidates"])
-            floor = _scatter(len(self.rows), rows, kept)
+        for group in settings["filtered"]:
+            rows = group["rows"]
+            kept = thresholds(logprobs[rows], group["top_p"], group["top_k"], group["min_p"], group["width"])
+            floor = _put(floor, rows, kept)
         return draw(logprobs, settings["inverse"], settings["sampled"], settings["seed_lo"], settings["seed_hi"],
                     drawn, floor)
 
@@ -196,9 +198,9 @@ def _joined(current: mx.array | None, old: int, fresh: mx.array) -> mx.array:
     return mx.concatenate([current, fresh])
 
 
-def _scatter(n: int, rows: mx.array, values: mx.array) -> mx.array:
-    """A (n,) array of -inf with `values` at `rows`."""
-    out = mx.full((n,), -mx.inf, mx.float32)
+def _put(array: mx.array, rows: mx.array, values: mx.array) -> mx.array:
+    """`array` with `values` at `rows` (a new array: the one given may be a setting kept across steps)."""
+    out = mx.array(array)
     out[rows] = values
     return out
 
