@@ -26,8 +26,8 @@ MLX_ENVIRONMENT = {
     # NVRTC) an execution plan for each new shape of batch, chunk and cached length, and a worker meets a new
     # one with nearly every prompt. On the H100 (2026-11-27, py-spy of the worker) prompt turns waited on
     # `nvrtcCompileProgram` under cuDNN's plan finalization; with this off, the fairness bench's short chat was
-    # within its limit beside two long prompts in every round (max 42 ms, limit 45), with it on not (max 63, 47).
-    # cuDNN's attention is faster once its plan exists (a 512-token turn after 3,488 tokens: 6.6 ms against 11.3).
+    # within its limit beside two long prompts in 9 rounds of 10 over two runs (with it on: max 63 ms against 47).
+    # cuDNN's attention is faster once its plan exists (a 512-token turn after 3,488 tokens: 6.6 ms against 11.1).
     "MLX_CUDA_USE_CUDNN_SDPA": "0",
 }
 """MLX settings the worker starts with unless the operator's environment sets them."""

@@ -111,7 +111,6 @@ class TextBatch:
         self.next_turn_at = 0.0  # while anyone decodes, no prompt-processing turn before this (monotonic)
         self._order = itertools.count()
         self.interval = settings.stream_interval_ms / 1000
-        self.left_s = 0.0  # how long the last decode step's leaving sequences took to leave (the slow-step log)
         self.turns = Counter()  # the batch's turns so far: "prefill" and "decode"
         self.timelines: dict[object, Timeline] = {}  # at DEBUG level: where each request's first token waited
 
@@ -216,15 +215,14 @@ class TextBatch:
         if turn or self.sequences:
             self.turns["prefill" if turn else "decode"] += 1
         started = time.monotonic()
-        self.left_s = 0.0
         if turn:
             self._prefill(turn)
             # Wall time, not the decode steps' own: a decode step's work overlaps the publishing
             # around it (its next token is computed while this one is handed out).
             self.next_turn_at = max(self.next_turn_at, 2 * time.monotonic() - started)
-            kept_s = 0.0
+            left_s = kept_s = 0.0
         else:
-            kept_s = self._decode()
+            left_s, kept_s = self._decode()
         joined = time.monotonic()
         self._start_ready()
         publishing = time.monotonic()
@@ -236,8 +234,7 @@ class TextBatch:
             log.debug("slow step: %.0f ms, %s (%d preparing, %d waiting); admitting %.0f ms, the %s %.0f ms "
                       "(of which leaving %.0f ms, keeping their caches %.0f ms), joining %.0f ms, publishing %.0f ms",
                       1000 * (ended - began), done, len(self.preparing), len(self.waiting), 1000 * (started - began),
-                      "turn" if turn else "step", 1000 * (joined - started), 1000 * self.left_s,
-                      1000 * (kept_s - self.left_s),
+                      "turn" if turn else "step", 1000 * (joined - started), 1000 * left_s, 1000 * kept_s,
                       1000 * (publishing - joined), 1000 * (ended - publishing))
         return results
 
@@ -313,19 +310,18 @@ class TextBatch:
                 return whole[:n]
         return []
 
-    def _decode(self) -> float:
+    def _decode(self) -> tuple[float, float]:
         """One token for every decoding sequence; those that finished leave, their caches kept. The seconds
-        that keeping took (the slow-step log tells them apart)."""
+        they took to leave the batch and to be kept (for the slow-step log)."""
         finished = [out.key for out in self.decoder.step()
                     if out.key.advance(out.token, out.finish_reason, out.logprobs)]
-        self.left_s = 0.0
         if not finished:
-            return 0.0
+            return 0.0, 0.0
         began = time.monotonic()  # their caches serve later requests that start the same way
         kept = self.decoder.remove(finished, keep_caches=True)
-        self.left_s = time.monotonic() - began
+        left = time.monotonic()
         self._keep(kept)
-        return time.monotonic() - began
+        return left - began, time.monotonic() - left
 
     def _keep(self, kept: list[tuple[list, list[int]]]) -> None:
         """Put finished sequences' caches in the prompt cache. Each is a row cut from the batch's
