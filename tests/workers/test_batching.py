@@ -590,6 +590,30 @@ def test_leaving_rows_keep_the_caches_mlx_lm_would_extract(worker_parts, setting
     assert len(decoder) == 1 and decoder.slots[0].key is keys[1]
 
 
+def test_rows_of_every_cache_kind_leave_as_their_own_extract_cuts_them():
+    # A model may mix plain layers with sliding-window ones (and recurrent states): only the plain batch caches
+    # are cut from a padding read once; every other kind through its own extract.
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
+
+    from workers.backends.decoding import kept_rows
+
+    def filled(cache, n: int, seed: int):
+        key = mx.random.key(seed)
+        cache.update_and_fetch(mx.random.normal((1, 2, n, 4), key=key), mx.random.normal((1, 2, n, 4), key=key))
+        return cache
+
+    lengths = (3, 11, 6)
+    layers = [BatchKVCache.merge([filled(KVCache(), n, i) for i, n in enumerate(lengths)]),
+              BatchRotatingKVCache.merge([filled(RotatingKVCache(max_size=8), n, 10 + i) for i, n in enumerate(lengths)])]
+    for row, cut in zip((0, 2), kept_rows(layers, [0, 2]), strict=True):
+        for mine, layer in zip(cut, layers, strict=True):
+            theirs = layer.extract(row)
+            assert type(mine) is type(theirs)
+            for a, b in zip(mine.state, theirs.state, strict=True):
+                assert mx.array_equal(a, b).item()
+
+
 def test_kept_caches_are_copies_of_their_rows_not_views_of_the_batch(redis_conn, settings, worker_parts):
     import gc
 

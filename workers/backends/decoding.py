@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache
 
 from workers.backends.prefill import row_cache
 from workers.backends.sampling import BatchSampler, Row
@@ -58,6 +59,16 @@ class Token:
     token: int
     finish_reason: str | None  # "stop" (end of sequence), "length" (budget), or None
     logprobs: mx.array | None = field(default=None, repr=False)  # (V,) it was drawn from, when wanted
+
+
+def kept_rows(layers: list, rows: list[int]) -> list[list]:
+    """Each of these rows' caches, cut from the batch's layers as caches of their own. A plain batch cache's
+    padding is read once for all the rows (mlx-lm's `extract` reads it back from the device for every row and
+    layer: 1,024 waits for 64 rows of a 16-layer model); other kinds (sliding windows, recurrent states) cut
+    themselves with their own `extract`."""
+    padding = [layer.left_padding.tolist() if type(layer) is BatchKVCache else None for layer in layers]
+    return [[row_cache(layer, i, pad[i], layer.size()) if pad is not None else layer.extract(i)
+             for layer, pad in zip(layers, padding, strict=True)] for i in rows]
 
 
 class DecodeBatch:
@@ -153,16 +164,11 @@ class DecodeBatch:
         kept = []
         with mx.stream(self.stream):
             if keep_caches:
-                # Each row's padding read once for all of them: mlx-lm's `extract` reads it back from the
-                # device for every row and layer (1,024 waits for 64 rows of a 16-layer model).
-                padding = [c.left_padding.tolist() for c in self.cache] if self.batched else []
-                for i in drop:
-                    slot = self.slots[i]
+                caches = kept_rows(self.cache, drop) if self.batched else [self.cache]
+                for i, cache in zip(drop, caches, strict=True):
                     # The cache holds one more token than handed out: the last one fed (its keys and values
                     # are being computed now); `fed` lists exactly what it holds.
-                    cache = ([row_cache(c, i, pad[i], c.size()) for c, pad in zip(self.cache, padding, strict=True)]
-                             if self.batched else self.cache)
-                    kept.append((cache, list(slot.fed)))
+                    kept.append((cache, list(self.slots[i].fed)))
             keep = [i for i in range(len(self.slots)) if i not in set(drop)]
             self.slots = [self.slots[i] for i in keep]
             self.sampler.keep(keep)
