@@ -1,4 +1,5 @@
-"""gunicorn hooks (`--config python:web.gunicorn_conf`): prometheus_client's multiprocess mode.
+"""gunicorn hooks (`--config python:web.gunicorn_conf`): prometheus_client's multiprocess mode, and each
+worker's connections opened as it boots.
 
 The master makes a fresh directory for the workers' metric files before forking them (unless
 PROMETHEUS_MULTIPROC_DIR is already set), marks a dead worker's gauges gone, and removes the
@@ -20,6 +21,14 @@ def on_starting(server) -> None:
         path = tempfile.mkdtemp(prefix="mlxq-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
         _made.append(path)
+
+
+def post_worker_init(worker) -> None:
+    """A worker has loaded the app: subscribe its event hub and open its Redis connection now, not during its
+    first call (the first synchronous call each web worker served took ~20 ms more without this)."""
+    services = worker.wsgi.extensions.get("mlxq") if hasattr(worker.wsgi, "extensions") else None
+    if services is not None and not services.warm():
+        worker.log.warning("mlxq: Redis did not answer while this worker started; its first call connects")
 
 
 def child_exit(server, worker) -> None:

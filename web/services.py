@@ -6,6 +6,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import redis
 from flask import current_app
 
 from jobs.connection import get_redis
@@ -35,6 +36,20 @@ class Services:
             if self._hub is None:
                 self._hub = EventHub(self.redis)
             return self._hub
+
+    def close(self) -> None:
+        """Stop the event hub, if it was started (an app that is done with, such as a test's)."""
+        if self._hub is not None:
+            self._hub.close()
+
+    def warm(self, wait_s: float = 2.0) -> bool:
+        """Before the first call: the hub subscribed and a Redis connection open (whether both are, within
+        `wait_s`; a Redis that is down now is no reason not to serve, the calls will wait for it as usual)."""
+        try:
+            self.redis.ping()
+        except (redis.ConnectionError, redis.TimeoutError):
+            return False
+        return self.hub.start(wait_s)
 
 
 def services() -> Services:

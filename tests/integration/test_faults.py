@@ -182,6 +182,15 @@ NO_WORKER_S = 10
 """How soon a call that no worker can answer must be answered."""
 
 
+def test_each_web_worker_is_subscribed_to_the_events_before_its_first_call(web_only):
+    # gunicorn's post_worker_init (web/gunicorn_conf.py) starts the event hub: before it did, the first call each
+    # web worker served subscribed it on the way, ~20 ms later than the calls after it.
+    conn = redis.Redis.from_url(web_only.redis_url)
+    db = web_only.redis_url.rsplit("/", 1)[1]
+    subscribed = [c for c in conn.client_list(_type="pubsub") if c["db"] == db and int(c.get("psub", 0))]
+    assert len(subscribed) == 1, subscribed  # the fixture's gunicorn runs one worker; no call has followed a job
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["sync", "streamed"])
 def test_with_no_worker_a_chat_is_a_503_at_once(web_only, stream):
     started = time.monotonic()

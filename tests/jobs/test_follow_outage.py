@@ -30,8 +30,9 @@ def _follow_in_thread(conn: redis.Redis, job_id: str, outage_s: float, idles: li
     out: queue.Queue = queue.Queue()
 
     def run():
+        hub = EventHub(conn)
         try:
-            for event in follow(EventHub(conn), job_id, idle_s=0.1, outage_s=outage_s):
+            for event in follow(hub, job_id, idle_s=0.1, outage_s=outage_s):
                 if event["type"] != "idle":
                     out.put(event)
                 elif idles is not None:
@@ -39,6 +40,8 @@ def _follow_in_thread(conn: redis.Redis, job_id: str, outage_s: float, idles: li
             out.put(None)
         except Exception as exc:  # what ended it is the test's to judge
             out.put(exc)
+        finally:
+            hub.close()
 
     threading.Thread(target=run, daemon=True).start()
     return out

@@ -44,7 +44,8 @@ def hub(redis_conn):
     hub = EventHub(redis_conn)
     with hub.listen("warm-up"):
         wait_until(lambda: redis_conn.pubsub_numpat() == 1, 5, what="the hub's subscription")
-    return hub
+    yield hub
+    hub.close()  # its thread would otherwise outlive the test's Redis and complain about it
 
 
 def publish_answer(redis_conn, job_id: str) -> None:
@@ -100,6 +101,21 @@ def test_an_idle_hub_keeps_its_subscription_past_the_socket_timeout(redis_conn, 
         ours = wait_until(lambda: pattern_subscribers(redis_conn) - others, 5, what="the hub's subscription")
         time.sleep(1.0)  # idle for three socket timeouts
         assert pattern_subscribers(redis_conn) - others == ours
+    hub.close()
+
+
+def test_a_hub_started_ahead_is_subscribed_before_its_first_listener_and_close_ends_it(redis_conn):
+    # The web tier starts its hub as each gunicorn worker boots: the first call meets a live subscription.
+    others = pattern_subscribers(redis_conn)
+    hub = EventHub(redis_conn)
+    assert hub.start(wait_s=5) is True
+    ours = wait_until(lambda: pattern_subscribers(redis_conn) - others, 5, what="the hub's subscription")
+    assert len(ours) == 1
+    hub.close()
+    wait_until(lambda: not pattern_subscribers(redis_conn) & ours, 5, what="the subscription to end")
+    assert not hub._thread.is_alive()
+    with pytest.raises(RuntimeError):
+        hub.start()
 
 
 def pattern_subscribers(redis_conn) -> set[str]:

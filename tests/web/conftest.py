@@ -33,7 +33,10 @@ def app_for(module_settings):
         if key not in apps:
             apps[key] = create_app(module_settings.with_overrides(**overrides))
         app = apps[key]
+        app.extensions["mlxq"].close()  # an earlier test's hub: its thread would outlive the test Redis
         app.extensions["mlxq"] = Services(app.extensions["mlxq"].settings)
         return app
 
-    return build
+    yield build
+    for app in apps.values():
+        app.extensions["mlxq"].close()
