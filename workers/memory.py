@@ -9,6 +9,7 @@ arrays come from glibc's malloc, whose free pages stay in the process until trim
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import resource
 import sys
@@ -88,6 +89,25 @@ def release() -> None:
 
     mx.clear_cache()
     _malloc_trim()
+
+
+def freeze_heap() -> None:
+    """Collect, then put every object alive now (modules, models, tokenizers, templates) out of the cycle
+    collector's sight, so that its full collections look at what requests made since.
+
+    A full collection over a worker holding just the demo text model took 62 ms on the 2-core machine, every
+    thread of the process stopped meanwhile: a request that met one waited that long in its queue or before its
+    first token (seen on the H100 as a 57 ms queue wait of a short chat, once every few rounds of the fairness
+    bench). After the freeze, one took 0.0 ms. The models manager calls this after each load."""
+    gc.collect()
+    gc.freeze()
+
+
+def collect_all() -> None:
+    """A full collection that sees the frozen objects too (after a model is dropped: its cycles go now), then the
+    survivors frozen again."""
+    gc.unfreeze()
+    freeze_heap()
 
 
 IDLE_BEATS = 2

@@ -6,7 +6,6 @@ Only the scheduler's thread (the worker's main thread, which owns MLX) touches i
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import math
@@ -203,6 +202,7 @@ class ModelManager:
         start = time.perf_counter()
         model, processor = loader(Path(info.path), float32)
         resident = Resident(info, model, processor, params_nbytes(model), float32, time.perf_counter() - start)
+        memory.freeze_heap()  # the model's objects out of the cycle collector's full collections
         log.info("loaded %s (%s) in %.2fs: %.0f MiB%s", info.id, info.path, resident.load_s,
                  resident.nbytes / 2**20, ", dequantized to float32" if float32 else "")
         return resident
@@ -277,6 +277,7 @@ class ModelManager:
 
 
 def _free_memory() -> None:
-    """Return freed model memory: drop Python references first, then MLX's buffer cache and malloc's free pages."""
-    gc.collect()
+    """Return freed model memory: drop Python references first (the frozen ones too), then MLX's buffer cache and
+    malloc's free pages."""
+    memory.collect_all()
     memory.release()
