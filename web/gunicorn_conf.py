@@ -28,7 +28,7 @@ def post_worker_init(worker) -> None:
     first call (the first synchronous call each web worker served took ~20 ms more without this)."""
     services = worker.wsgi.extensions.get("mlxq") if hasattr(worker.wsgi, "extensions") else None
     if services is not None and not services.warm():
-        worker.log.warning("mlxq: Redis did not answer while this worker started; its first call connects")
+        worker.log.warning("Redis did not answer while this web worker started; its first call connects")
 
 
 def child_exit(server, worker) -> None:
