@@ -69,13 +69,17 @@ class EventHub:
         return self._subscribed.wait(wait_s)
 
     def close(self) -> None:
-        """Stop the pump (for processes that end their hub before exiting, such as tests)."""
+        """Stop the pump (for processes that end their hub before exiting, such as tests). It does not wait:
+        the pump thread ends, silently, when its read returns or fails."""
         self._closed.set()
         pubsub = self._pubsub
         if pubsub is not None:
-            pubsub.close()  # wakes listen() in the pump thread, which then sees the hub closed
-        if self._thread is not None:
-            self._thread.join(5)
+            try:
+                # Unsubscribing ends listen() in the pump thread once Redis confirms; the pump closes its pubsub
+                # itself (closed from here, its connection went back to the pool while the pump still read it).
+                pubsub.punsubscribe()
+            except (redis.RedisError, OSError, AttributeError):  # AttributeError: its connection already gone
+                pass
 
     def _ensure_running(self):
         with self._lock:

@@ -113,7 +113,7 @@ def test_a_hub_started_ahead_is_subscribed_before_its_first_listener_and_close_e
     assert len(ours) == 1
     hub.close()
     wait_until(lambda: not pattern_subscribers(redis_conn) & ours, 5, what="the subscription to end")
-    assert not hub._thread.is_alive()
+    wait_until(lambda: not hub._thread.is_alive(), 5, what="the hub's thread to end")
     with pytest.raises(RuntimeError):
         hub.start()
 
