@@ -17,7 +17,7 @@ from web.jsonbody import Blueprint
 from web.media_parts import accepts_media_parts
 from web.render.anthropic import Message
 from web.response_schemas import SSE, AnyObjectSchema, ServerSentEventSchema
-from web.schemas import load_chat
+from web.schemas import THINKING, NotYet, load_chat
 
 blp = Blueprint("messages", __name__, url_prefix="/v1/messages", description="Anthropic's Messages API")
 
@@ -44,6 +44,7 @@ class MessagesRequestSchema(Schema):
     metadata = fields.Dict(load_default=None, allow_none=True)
     tools = fields.Raw(load_default=None, allow_none=True)  # checked by web/messages_tools.py, naming the field
     tool_choice = fields.Raw(load_default=None, allow_none=True)
+    thinking = NotYet(THINKING)
 
 
 @blp.route("", methods=["POST"])

@@ -18,7 +18,7 @@ from web.jsonbody import Blueprint
 from web.media_parts import accepts_media_parts
 from web.render.responses import Responses, echo, from_record
 from web.response_schemas import SSE, AnyObjectSchema, ServerSentEventSchema
-from web.schemas import PENALTY_FIELDS, PenaltiesSchema, load_chat
+from web.schemas import PENALTY_FIELDS, THINKING, NotYet, PenaltiesSchema, load_chat
 from web.services import services
 
 blp = Blueprint("responses", __name__, url_prefix="/v1/responses", description="OpenAI's Responses API")
@@ -53,6 +53,7 @@ class ResponsesRequestSchema(PenaltiesSchema):
     tools = fields.List(fields.Raw(), load_default=None, allow_none=True)
     tool_choice = fields.Raw(load_default=None, allow_none=True)
     parallel_tool_calls = fields.Boolean(load_default=True, allow_none=True)
+    reasoning = NotYet(THINKING)
 
     @validates_schema
     def _check_input(self, data, **kwargs):

@@ -148,6 +148,27 @@ def _content_part(part, index: int) -> dict:
                           "'input_audio' parts are")
 
 
+class NotYet(fields.Field):
+    """A request field that would change the answer but that mlxq does not honour yet (reasoning and thinking
+    control): left out, null or an empty object it passes; any other value is a 400 naming it. Never accepted and
+    ignored: a client must be able to tell that its setting would do nothing."""
+
+    def __init__(self, what: str, **kwargs):
+        super().__init__(load_default=None, allow_none=True,
+                         metadata={"description": f"Not supported yet ({what}): leave it out; any value is a 400."},
+                         **kwargs)
+        self.what = what
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        if value is None or value == {}:
+            return None
+        raise ValidationError(f"not supported yet: mlxq does not {self.what}; leave it out")
+
+
+THINKING = "control reasoning or thinking yet (no model's reasoning is told apart from its answer)"
+"""What the reasoning fields of the three APIs ask for, in their 400s."""
+
+
 class StreamOptionsSchema(Schema):
     """`stream_options`: only include_usage is meaningful."""
 
@@ -250,6 +271,11 @@ class ChatCompletionRequestSchema(SamplingSchema):
     logprobs = fields.Boolean(load_default=None, allow_none=True)
     top_logprobs = fields.Integer(strict=True, load_default=None, allow_none=True,
                                   validate=validate.Range(min=0, max=MAX_TOP_LOGPROBS))
+    # mlx_lm.server's, vLLM's and Qwen's names for thinking control; and every template argument.
+    reasoning_effort = NotYet(THINKING)
+    enable_thinking = NotYet(THINKING)
+    thinking_budget = NotYet(THINKING)
+    chat_template_kwargs = NotYet("pass arguments to the chat template yet")
 
     @validates_schema
     def _refuse_chat_extras(self, data, **kwargs):
