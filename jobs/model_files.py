@@ -8,6 +8,7 @@ a stat while nothing changed.
 from __future__ import annotations
 
 import json
+import math
 import os
 from datetime import datetime, timezone
 from pathlib import Path
@@ -176,6 +177,29 @@ WHISPER_MULTILINGUAL_VOCAB = 51865
 def is_multilingual(vocab_size: int | None) -> bool | None:
     """Whether a Whisper model of this vocabulary size knows many languages (None: its config does not say)."""
     return None if vocab_size is None else vocab_size >= WHISPER_MULTILINGUAL_VOCAB
+
+
+SAMPLING_DEFAULT_RANGES = {
+    "temperature": (0.0, 2.0), "top_p": (1e-9, 1.0), "top_k": (0, None), "min_p": (0.0, 1.0),
+    "repetition_penalty": (1e-9, None),
+}
+"""The sampling fields a model's generation_config.json may set for requests that leave them out (as vLLM reads
+it), with the values the API itself accepts for each."""
+
+
+def sampling_defaults_of(path: Path) -> tuple[tuple[str, float], ...]:
+    """The model author's sampling defaults from `path`/generation_config.json: (field, value) pairs, only fields
+    of SAMPLING_DEFAULT_RANGES within their range (an odd value there is left out, not passed on)."""
+    config = read_json(Path(path) / "generation_config.json") or {}
+    out = []
+    for name, (low, high) in SAMPLING_DEFAULT_RANGES.items():
+        value = config.get(name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            continue
+        if value < low or (high is not None and value > high) or (name == "top_k" and value != int(value)):
+            continue
+        out.append((name, int(value) if name == "top_k" else float(value)))
+    return tuple(out)
 
 
 def quantization_of(config: dict) -> str | None:

@@ -21,6 +21,7 @@ from jobs.model_files import (
     parse_time,
     quantization_of,
     read_json,
+    sampling_defaults_of,
     vocab_size_of,
 )
 
@@ -47,6 +48,7 @@ class ModelInfo:
     license: str | None
     created: int  # unix time (OpenAI's `created`)
     capabilities: tuple[str, ...] = ()  # "vision", "audio": what it takes besides text
+    sampling_defaults: tuple[tuple[str, float], ...] = ()  # generation_config.json's, for fields a request leaves out
 
     def as_dict(self) -> dict:
         """Return a JSON-serializable dict of every field."""
@@ -95,7 +97,7 @@ def _info_from_config_dir(ref: str, path: Path, source: str, size: int | None = 
         id=ref, path=path, kind=detect_kind(config), context_length=context_length_of(config),
         vocab_size=vocab_size_of(config), size_bytes=dir_size(path) if size is None else size, source=source,
         quantization=quantization_of(config), license=config.get("license"), created=int(created),
-        capabilities=capabilities_of(config, path),
+        capabilities=capabilities_of(config, path), sampling_defaults=sampling_defaults_of(path),
     )
 
 
@@ -120,7 +122,7 @@ def store_entry(settings, name: str) -> ModelInfo | None:
         size_bytes=dir_size(path), source=str(manifest.get("source") or f"dir:{path}"),
         quantization=manifest.get("quantization") or quantization_of(config),
         license=manifest.get("license"), created=parse_time(manifest.get("imported_at"), mtime),
-        capabilities=capabilities_of(config, path),
+        capabilities=capabilities_of(config, path), sampling_defaults=sampling_defaults_of(path),
     )
 
 

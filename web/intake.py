@@ -70,22 +70,38 @@ def sampling(body: dict, info: ModelInfo, grammar: str | None = None) -> Samplin
                             f"'{info.id}'.", "invalid_value", "top_k")
     bias = _logit_bias(body, info)
     own = grammar_for(body.get("response_format"))  # checked even where the tools' grammar stands in for it
-    defaults = Sampling()
+    chosen = sampling_defaults(info)
+    for name in chosen:  # what the request sets wins; left out (or null), the model's default, then mlxq's
+        if body.get(name) is not None:
+            chosen[name] = body[name]
+    top_k = chosen["top_k"] or 0
+    if top_k and info.vocab_size and top_k > info.vocab_size:  # a model's own default past its vocabulary
+        top_k = 0
     return Sampling(
         max_tokens=max_tokens,
-        temperature=defaults.temperature if body["temperature"] is None else body["temperature"],
-        top_p=defaults.top_p if body["top_p"] is None else body["top_p"],
-        top_k=body["top_k"] or 0,
-        min_p=body["min_p"] or 0.0,
+        temperature=chosen["temperature"],
+        top_p=chosen["top_p"],
+        top_k=top_k,
+        min_p=chosen["min_p"] or 0.0,
         seed=body["seed"],
         stop=tuple(s for s in body["stop"] or () if s),
-        repetition_penalty=body["repetition_penalty"],
+        repetition_penalty=chosen["repetition_penalty"],
         presence_penalty=body["presence_penalty"] or 0.0,
         frequency_penalty=body["frequency_penalty"] or 0.0,
         logit_bias=bias,
         grammar=grammar or own,
         logprobs=_logprobs(body),
     )
+
+
+def sampling_defaults(info: ModelInfo) -> dict:
+    """What a request that leaves a sampling field out gets: the model's generation_config.json value, else
+    mlxq's (`jobs.contract.Sampling`); shown by /v1/models."""
+    base = Sampling()
+    chosen = {"temperature": base.temperature, "top_p": base.top_p, "top_k": base.top_k, "min_p": base.min_p,
+              "repetition_penalty": base.repetition_penalty}
+    chosen.update(info.sampling_defaults)
+    return chosen
 
 
 def _logit_bias(body: dict, info: ModelInfo) -> tuple[tuple[int, float], ...]:

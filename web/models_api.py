@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from jobs.store import ModelNotFound, list_models, public_source, resolve
 from web.errors import APIError
+from web.intake import sampling_defaults
 from web.jsonbody import Blueprint
 from web.schemas import ModelListSchema, ModelSchema
 from web.services import services
@@ -15,7 +16,8 @@ def _as_openai(info) -> dict:
     """Render a catalog entry in OpenAI's model shape plus mlxq's facts."""
     return {"id": info.id, "object": "model", "created": info.created, "owned_by": "mlxq", "kind": info.kind,
             "capabilities": list(info.capabilities), "context_length": info.context_length, "size_bytes": info.size_bytes,
-            "quantization": info.quantization, "source": public_source(info.source)}
+            "quantization": info.quantization, "source": public_source(info.source),
+            "sampling_defaults": sampling_defaults(info) if info.kind != "speech" else {}}
 
 
 @blp.route("", methods=["GET"])

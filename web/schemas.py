@@ -203,13 +203,18 @@ class SamplingSchema(PenaltiesSchema):
 
     model = fields.String(load_default=None, validate=validate.Length(min=1, max=512))
     max_tokens = fields.Integer(strict=True, load_default=None, validate=validate.Range(min=1), allow_none=True)
-    temperature = fields.Float(load_default=DEFAULTS.temperature, validate=validate.Range(min=0, max=2), allow_none=True)
-    top_p = fields.Float(load_default=DEFAULTS.top_p, validate=validate.Range(min=0, max=1, min_inclusive=False),
-                         allow_none=True)
+    # Left out or null: the model's generation_config.json value, else mlxq's default (web.intake.sampling_defaults;
+    # GET /v1/models/{id} shows them).
+    temperature = fields.Float(load_default=None, validate=validate.Range(min=0, max=2), allow_none=True,
+                               metadata={"description": f"Left out: the model's default (GET /v1/models/{{id}}, "
+                                         f"`sampling_defaults`), else {DEFAULTS.temperature}"})
+    top_p = fields.Float(load_default=None, validate=validate.Range(min=0, max=1, min_inclusive=False),
+                         allow_none=True, metadata={"description": f"Left out: the model's default, else {DEFAULTS.top_p}"})
     # Bounded by the model's vocabulary too, once the model is known (web.openai_api).
-    top_k = fields.Integer(strict=True, load_default=DEFAULTS.top_k, validate=validate.Range(min=0, max=MAX_TOP_K),
-                           allow_none=True)
-    min_p = fields.Float(load_default=DEFAULTS.min_p, validate=validate.Range(min=0, max=1), allow_none=True)
+    top_k = fields.Integer(strict=True, load_default=None, validate=validate.Range(min=0, max=MAX_TOP_K),
+                           allow_none=True, metadata={"description": "Left out: the model's default, else 0 (none)"})
+    min_p = fields.Float(load_default=None, validate=validate.Range(min=0, max=1), allow_none=True,
+                         metadata={"description": "Left out: the model's default, else 0 (none)"})
     seed = fields.Integer(strict=True, load_default=None, validate=validate.Range(min=0, max=MAX_SEED),
                           allow_none=True)
     stop = StringOrList(max_items=MAX_STOP, load_default=list, allow_none=True)
@@ -320,6 +325,8 @@ class ModelSchema(Schema):
     size_bytes = fields.Integer()
     quantization = fields.String(allow_none=True)
     source = fields.String()
+    sampling_defaults = fields.Dict(metadata={"description": "What a request that leaves a sampling field out "
+                                              "gets: the model's generation_config.json value, else mlxq's"})
 
 
 class ModelListSchema(Schema):
