@@ -45,6 +45,10 @@ class MessagesRequestSchema(Schema):
     tools = fields.Raw(load_default=None, allow_none=True)  # checked by web/messages_tools.py, naming the field
     tool_choice = fields.Raw(load_default=None, allow_none=True)
     thinking = NotYet(THINKING)
+    # Anthropic's fields that would change the answer and that mlxq does not serve.
+    container = NotYet("run code containers", passes=())
+    mcp_servers = NotYet("call MCP servers", passes=([],))
+    context_management = NotYet("edit the context", passes=())
 
 
 @blp.route("", methods=["POST"])

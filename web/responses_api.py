@@ -54,6 +54,13 @@ class ResponsesRequestSchema(PenaltiesSchema):
     tool_choice = fields.Raw(load_default=None, allow_none=True)
     parallel_tool_calls = fields.Boolean(load_default=True, allow_none=True)
     reasoning = NotYet(THINKING)
+    # OpenAI's Responses fields that would change the answer and that mlxq does not serve.
+    conversation = NotYet("keep conversations objects; continue with `previous_response_id`", passes=())
+    include = NotYet("add included outputs to a response", passes=([],))
+    top_logprobs = NotYet("give logprobs on Responses; chat completions do", passes=(0,))
+    prompt = NotYet("keep prompt templates", passes=())
+    max_tool_calls = NotYet("limit tool calls", passes=())
+    truncation = NotYet("truncate a conversation to fit (a prompt too long is refused)", passes=("disabled",))
 
     @validates_schema
     def _check_input(self, data, **kwargs):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from marshmallow import EXCLUDE, Schema, ValidationError, fields, validate, validates_schema
 
 from jobs.contract import Sampling
@@ -153,14 +155,17 @@ class NotYet(fields.Field):
     control): left out, null or an empty object it passes; any other value is a 400 naming it. Never accepted and
     ignored: a client must be able to tell that its setting would do nothing."""
 
-    def __init__(self, what: str, **kwargs):
-        super().__init__(load_default=None, allow_none=True,
-                         metadata={"description": f"Not supported yet ({what}): leave it out; any value is a 400."},
-                         **kwargs)
-        self.what = what
+    def __init__(self, what: str, passes: tuple = ({},), **kwargs):
+        """`what` mlxq does not do (the 400 says "mlxq does not <what>"); `passes`: values that ask for nothing
+        (besides null), such as an empty list or the API's own default."""
+        shown = ", ".join(json.dumps(v) for v in passes)
+        super().__init__(load_default=None, allow_none=True, metadata={
+            "description": f"Not supported yet (mlxq does not {what}): leave it out"
+                           f"{' or send ' + shown if shown else ''}; any other value is a 400."}, **kwargs)
+        self.what, self.passes = what, passes
 
     def _deserialize(self, value, attr, data, **kwargs):
-        if value is None or value == {}:
+        if value is None or value in self.passes:
             return None
         raise ValidationError(f"not supported yet: mlxq does not {self.what}; leave it out")
 
@@ -281,6 +286,13 @@ class ChatCompletionRequestSchema(SamplingSchema):
     enable_thinking = NotYet(THINKING)
     thinking_budget = NotYet(THINKING)
     chat_template_kwargs = NotYet("pass arguments to the chat template yet")
+    # OpenAI's fields that would change the answer and that mlxq does not serve (harmless ones, such as
+    # `prediction`, `service_tier` or `store`, are ignored like any unknown field).
+    functions = NotYet("take the legacy `functions`; send them as `tools`", passes=([],))
+    function_call = NotYet("take the legacy `function_call`; use `tool_choice`", passes=())
+    modalities = NotYet("answer in audio", passes=(["text"],))
+    audio = NotYet("answer in audio")
+    web_search_options = NotYet("search the web")
 
     @validates_schema
     def _refuse_chat_extras(self, data, **kwargs):
