@@ -151,9 +151,10 @@ def _content_part(part, index: int) -> dict:
 
 
 class NotYet(fields.Field):
-    """A request field that would change the answer but that mlxq does not honour yet (reasoning and thinking
-    control): left out, null or an empty object it passes; any other value is a 400 naming it. Never accepted and
-    ignored: a client must be able to tell that its setting would do nothing."""
+    """A request field that would change the answer but that mlxq does not serve (yet): reasoning and thinking
+    control, audio answers, web search...; left out, null or a value that asks for nothing (`passes`) it goes
+    through, any other value is a 400 naming it. Never accepted and ignored: a client must be able to tell that its
+    setting would do nothing. docs/api.md lists them per API."""
 
     def __init__(self, what: str, passes: tuple = ({},), **kwargs):
         """`what` mlxq does not do (the 400 says "mlxq does not <what>"); `passes`: values that ask for nothing
