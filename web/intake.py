@@ -20,7 +20,7 @@ from jobs.contract import (
     TranscriptionRequest,
 )
 from jobs.media import MediaInfo
-from jobs.model_files import is_multilingual
+from jobs.model_files import SAMPLING_DEFAULT_RANGES, is_multilingual
 from jobs.store import ModelInfo, ModelNotFound, resolve
 from web.audio_check import check_audio
 from web.errors import APIError
@@ -98,10 +98,7 @@ def sampling_defaults(info: ModelInfo) -> dict:
     """What a request that leaves a sampling field out gets: the model's generation_config.json value, else
     mlxq's (`jobs.contract.Sampling`); shown by /v1/models."""
     base = Sampling()
-    chosen = {"temperature": base.temperature, "top_p": base.top_p, "top_k": base.top_k, "min_p": base.min_p,
-              "repetition_penalty": base.repetition_penalty}
-    chosen.update(info.sampling_defaults)
-    return chosen
+    return {**{name: getattr(base, name) for name in SAMPLING_DEFAULT_RANGES}, **dict(info.sampling_defaults)}
 
 
 def _logit_bias(body: dict, info: ModelInfo) -> tuple[tuple[int, float], ...]:

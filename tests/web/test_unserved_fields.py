@@ -2,7 +2,8 @@
 and the OpenAI and Anthropic fields for things mlxq does not do (audio answers, web search, code containers...).
 Any value that asks for something is a 400 naming the field, in each API's own envelope, never accepted and ignored;
 left out, null or a value that asks for nothing (an empty list, the API's own default), the call goes ahead.
-Through the real app on a real Redis (no worker: a call that passes is queued and waits 0.2 s, a 504)."""
+Through the real app on a real Redis, no worker: a call that passes is queued (an async job or a background response
+answers at once; a message waits for its sync timeout, a 504)."""
 
 from __future__ import annotations
 
