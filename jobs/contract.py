@@ -5,6 +5,7 @@ spooled) and enqueues its `to_payload()` as the RQ job's only argument; the work
 Defaults live here and nowhere else.
 
 Events of a job (jobs.events numbers them), by type, with their data:
+  reasoning {"index", "text"}                      reasoning (thinking) generated for choice `index`, before its answer
   delta     {"index", "text", "tool_calls"?}      text generated for choice `index`; calls it completed
   segment   {"segment", "words"?}                 a finished transcript segment (verbose_json's shape)
   progress  {"done_s", "total_s", "percent", "eta_s"}
@@ -19,7 +20,8 @@ from dataclasses import asdict, dataclass, field, fields
 from jobs.errors import InvalidRequest
 
 DEFAULT_MAX_TOKENS = 512
-"""max_tokens when the client sends none (bounded so a forgotten limit can't hold the GPU)."""
+"""max_tokens of a request built without one (the web tier always sets it: a client that sends none gets the
+model's room, web.intake.max_tokens_limit)."""
 
 DEFAULT_SPEECH_MODEL = "whisper-tiny.en"
 """The model of a transcription request that names none (OpenAI's clients always send one)."""
@@ -74,6 +76,9 @@ class TextRequest:
     is_async: bool = False  # an async job (/v1/jobs) keeps a record; a synchronous call does not
     request_id: str | None = None
     tools: list[dict] | None = None  # function definitions the template renders; calls are parsed out of answers
+    template_kwargs: dict | None = None  # extra chat template variables (chat_template_kwargs), JSON values
+    enable_thinking: bool | None = None  # a reasoning model thinks first (None: as its template decides)
+    thinking_budget: int | None = None  # the most reasoning tokens, markers included; then the block is closed
     kind: str = field(default="text", init=False)
 
     @property
@@ -162,6 +167,8 @@ class Choice:
     logprobs: list | None = None  # one entry per token (workers/backends/logprobs.py) when asked for
     tool_calls: list | None = None  # [{"id", "name", "arguments": a JSON string}] parsed out of the text
     stop_sequence: str | None = None  # the stop string that ended it (cut from the text), if one did
+    reasoning: str | None = None  # what a reasoning model thought before its answer (markers cut), if it did
+    reasoning_tokens: int = 0  # tokens of `text`'s generation spent reasoning (markers included)
 
 
 @dataclass(frozen=True)
@@ -179,7 +186,8 @@ class TextResult:
         """The JSON shape: OpenAI's `usage` block instead of the counts."""
         usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                  "total_tokens": self.prompt_tokens + self.completion_tokens,
-                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+                 "completion_tokens_details": {"reasoning_tokens": sum(c.reasoning_tokens for c in self.choices)}}
         return {"model": self.model, "choices": [asdict(c) for c in self.choices], "usage": usage,
                 "created": self.created}
 

@@ -1,6 +1,7 @@
 """The event protocol: every job has a numbered event stream, published live and kept in a replay log.
 
 An event is a dict `{"id": int, "type": str, "data": dict}`. Types: `delta` (generated text),
+`reasoning` (a reasoning model's thinking, before its answer's deltas),
 `segment` (a finished transcript segment), `progress`, `heartbeat`, and exactly one terminal
 event, `done` or `error`. Ids start at 1 and increase by one per event of that job.
 """
@@ -15,6 +16,7 @@ import redis
 from jobs import keys
 
 DELTA = "delta"
+REASONING = "reasoning"
 SEGMENT = "segment"
 PROGRESS = "progress"
 HEARTBEAT = "heartbeat"

@@ -11,7 +11,6 @@ from flask import g
 
 from jobs import queues
 from jobs.contract import (
-    DEFAULT_MAX_TOKENS,
     DEFAULT_SPEECH_MODEL,
     ModelRef,
     MultimodalRequest,
@@ -34,6 +33,8 @@ log = logging.getLogger(__name__)
 
 MAX_CHOICES = 64
 """The most choices (prompts times `n`) one completion request may ask for."""
+THINK_MODEL = "smollm2-135m-think"
+"""The demo model that reasons (workers/demo/think_model.py): named in errors."""
 
 
 def resolve_model(ref: str | None, kind: str | tuple[str, ...]) -> ModelInfo:
@@ -58,10 +59,8 @@ def model_ref(info: ModelInfo) -> ModelRef:
 def sampling(body: dict, info: ModelInfo, grammar: str | None = None) -> Sampling:
     """The sampling of a chat or completion body, bounded by the settings and the model; `grammar`
     (tool calls') stands in for the response_format's."""
-    limit = services().settings.max_tokens_limit
-    if info.context_length:
-        limit = min(limit, info.context_length)
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or min(DEFAULT_MAX_TOKENS, limit)
+    limit = max_tokens_limit(info)
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or limit
     if max_tokens > limit:
         param = "max_completion_tokens" if body.get("max_completion_tokens") else "max_tokens"
         raise APIError(400, f"'{param}' must be at most {limit} for model '{info.id}'.", "invalid_value", param)
@@ -94,11 +93,19 @@ def sampling(body: dict, info: ModelInfo, grammar: str | None = None) -> Samplin
     )
 
 
+def max_tokens_limit(info: ModelInfo) -> int:
+    """The most tokens a request may ask of this model (MLXQ_MAX_TOKENS_LIMIT, and its context length), and what
+    one that leaves max_tokens out gets: its answer runs until it ends, or its prompt leaves no more room."""
+    limit = services().settings.max_tokens_limit
+    return min(limit, info.context_length) if info.context_length else limit
+
+
 def sampling_defaults(info: ModelInfo) -> dict:
     """What a request that leaves a sampling field out gets: the model's generation_config.json value, else
-    mlxq's (`jobs.contract.Sampling`); shown by /v1/models."""
+    mlxq's (`jobs.contract.Sampling`), and max_tokens; shown by /v1/models."""
     base = Sampling()
-    return {**{name: getattr(base, name) for name in SAMPLING_DEFAULT_RANGES}, **dict(info.sampling_defaults)}
+    return {**{name: getattr(base, name) for name in SAMPLING_DEFAULT_RANGES}, **dict(info.sampling_defaults),
+            "max_tokens": max_tokens_limit(info)}
 
 
 def _logit_bias(body: dict, info: ModelInfo) -> tuple[tuple[int, float], ...]:
@@ -134,10 +141,15 @@ def chat_request(body: dict, job_id: str, is_async: bool = False) -> TextRequest
     kinds = _check_media(messages, info)
     if tools.tools and kinds:
         raise APIError(400, "Tools cannot be combined with image or audio parts yet.", "invalid_value", "tools")
+    think = thinking(body, info)
     common = {"sampling": sampling(body, info, tools.grammar), "n": body["n"] or 1, "is_async": is_async,
               "request_id": g.request_id}
     if not kinds and info.kind == "text":
-        return TextRequest(job_id, model_ref(info), messages=messages, tools=tools.tools, **common)
+        return TextRequest(job_id, model_ref(info), messages=messages, tools=tools.tools, **think, **common)
+    if think["template_kwargs"] or think["enable_thinking"] or think["thinking_budget"] is not None:
+        asked = next(name for name in THINKING_FIELDS if body.get(name) not in (None, False, "none"))
+        raise APIError(400, f"'{asked}' is not served for chats with images or audio, or on a vision model, yet.",
+                       "invalid_value", asked)
     speech = None
     if "input_audio" in kinds and "audio" not in info.capabilities:
         speech = model_ref(_speech_model_for_chat())
@@ -145,6 +157,41 @@ def chat_request(body: dict, job_id: str, is_async: bool = False) -> TextRequest
     messages, images, audio = _with_media_refs(messages, parts)
     return MultimodalRequest(job_id, model_ref(info), messages, images=images, audio=audio, speech_model=speech,
                              **common)
+
+
+EFFORT_BUDGETS = {"minimal": 128, "low": 1024, "medium": 4096, "high": None}
+"""The thinking budget (tokens) each reasoning_effort sets when the request gives none; "none" turns thinking off.
+A template that only knows `enable_thinking` gets it on, with this budget kept by the worker."""
+THINKING_FIELDS = ("enable_thinking", "reasoning_effort", "thinking_budget", "chat_template_kwargs")
+"""The chat fields that control a model's thinking or its template."""
+
+
+def thinking(body: dict, info: ModelInfo) -> dict:
+    """The request's thinking control (TextRequest's template_kwargs, enable_thinking, thinking_budget) from
+    `enable_thinking`, `chat_template_kwargs`, `reasoning_effort` and `thinking_budget` (another API's
+    `reasoning` or `thinking` arrive converted to these); 400 for asking a model that does not reason to."""
+    template = body.get("chat_template_kwargs") or None
+    enabled = body.get("enable_thinking")
+    effort, budget = body.get("reasoning_effort"), body.get("thinking_budget")
+    param = "enable_thinking"
+    if enabled is None and template and "enable_thinking" in template:
+        enabled, param = template["enable_thinking"], "chat_template_kwargs.enable_thinking"
+    if effort is not None:
+        if enabled is not None and enabled != (effort != "none"):
+            raise APIError(400, f"'reasoning_effort' {effort!r} contradicts '{param}' {str(enabled).lower()}.",
+                           "invalid_value", "reasoning_effort")
+        enabled, param = effort != "none", "reasoning_effort"
+        if budget is None and enabled:
+            budget = EFFORT_BUDGETS[effort]
+    if "reasoning" not in info.capabilities:
+        asks = [name for name, value in ((param, enabled), ("reasoning_effort", effort), ("thinking_budget", budget))
+                if value not in (None, False, "none")]
+        if asks:
+            raise APIError(400, f"Model '{info.id}' does not reason: its chat template has no think markers (GET "
+                                f"/v1/models lists each model's capabilities; the demo model '{THINK_MODEL}' "
+                                "reasons).", "reasoning_not_supported", asks[0])
+    return {"template_kwargs": template, "enable_thinking": enabled,
+            "thinking_budget": budget if enabled is not False else None}
 
 
 def tool_plan(body: dict, info: ModelInfo) -> ToolPlan:

@@ -17,11 +17,13 @@ from web.jsonbody import Blueprint
 from web.media_parts import accepts_media_parts
 from web.render.anthropic import Message
 from web.response_schemas import SSE, AnyObjectSchema, ServerSentEventSchema
-from web.schemas import THINKING, NotYet, load_chat
+from web.schemas import NotYet, load_chat
 
 blp = Blueprint("messages", __name__, url_prefix="/v1/messages", description="Anthropic's Messages API")
 
 TOOL_BLOCKS = {"tool_use": "assistant", "tool_result": "user"}
+THINKING_NAMES = {"enable_thinking": "thinking", "thinking_budget": "thinking.budget_tokens"}
+"""Chat's thinking fields, as the Messages field they come from."""
 """Which role's messages carry each tool block."""
 
 
@@ -44,7 +46,7 @@ class MessagesRequestSchema(Schema):
     metadata = fields.Dict(load_default=None, allow_none=True)
     tools = fields.Raw(load_default=None, allow_none=True)  # checked by web/messages_tools.py, naming the field
     tool_choice = fields.Raw(load_default=None, allow_none=True)
-    thinking = NotYet(THINKING)
+    thinking = fields.Raw(load_default=None, allow_none=True)  # checked by _thinking_in, naming the field
     # Anthropic's fields that would change the answer and that mlxq does not serve.
     container = NotYet("run code containers", passes=())
     mcp_servers = NotYet("call MCP servers", passes=([],))
@@ -59,7 +61,11 @@ class MessagesRequestSchema(Schema):
 def create_message(body):
     """Create a message (Anthropic's Messages API)."""
     chat = _as_chat(body)
-    job = intake.chat_request(chat, queues.new_job_id("msg"))
+    try:
+        job = intake.chat_request(chat, queues.new_job_id("msg"))
+    except APIError as exc:  # checked as a chat: name the Messages field
+        exc.param = THINKING_NAMES.get(exc.param, exc.param)
+        raise
     submit(job, intake.chat_func(job), f"message {job.model.id}")
     out = Message(job.id, job.model.id)
     return stream_response(job.id, out) if body["stream"] else answer(job.id, out)
@@ -77,9 +83,28 @@ def _as_chat(body: dict) -> dict:
     chat = load_chat({"model": body["model"], "messages": messages, "max_tokens": body["max_tokens"],
                       "temperature": body["temperature"], "top_p": body["top_p"], "top_k": body["top_k"],
                       "stop": body["stop_sequences"][:4] if body["stop_sequences"] else None,
-                      "parallel_tool_calls": parallel}, {"stop": "stop_sequences"})
+                      "parallel_tool_calls": parallel, **_thinking_in(body["thinking"], body["max_tokens"])},
+                     {"stop": "stop_sequences", "thinking_budget": "thinking.budget_tokens",
+                      "enable_thinking": "thinking"})
     # Already checked, in Messages' terms: intake takes them as they are (load_chat would drop them).
     return {**chat, "tool_list": tools, "tool_mode": mode}
+
+
+def _thinking_in(thinking, max_tokens: int) -> dict:
+    """`thinking` as chat's thinking control: {"type": "enabled", "budget_tokens": N} (fewer than max_tokens, as
+    Anthropic asks) or {"type": "disabled"}; left out, a reasoning model thinks as its template decides."""
+    if thinking is None:
+        return {}
+    kind = thinking.get("type") if isinstance(thinking, dict) else None
+    if kind == "disabled":
+        return {"enable_thinking": False}
+    if kind != "enabled":
+        raise mt.bad("thinking.type" if isinstance(thinking, dict) else "thinking",
+                     "must be {\"type\": \"enabled\", \"budget_tokens\": N} or {\"type\": \"disabled\"}")
+    budget = thinking.get("budget_tokens")
+    if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget < max_tokens:
+        raise mt.bad("thinking.budget_tokens", f"must be an integer from 1 to max_tokens - 1 ({max_tokens - 1})")
+    return {"enable_thinking": True, "thinking_budget": budget}
 
 
 def _system_text(system) -> str | None:
@@ -113,6 +138,8 @@ def _messages_in(message, index: int) -> list[dict]:
         param, kind = f"messages.{index}.content.{j}", _kind(block)
         if kind in TOOL_BLOCKS and TOOL_BLOCKS[kind] != role:
             raise mt.bad(param, f"`{kind}` blocks belong in {TOOL_BLOCKS[kind]} messages")
+        if kind in ("thinking", "redacted_thinking") and role == "assistant":
+            continue  # an earlier turn's thinking, sent back: templates leave it out of the history
         if kind == "tool_use":
             calls.append(mt.tool_call_in(block, param))
         elif kind == "tool_result":

@@ -61,6 +61,8 @@ def to_messages(body: dict, previous: list[dict] | None) -> list[dict]:
             tools.add_call(messages, item, f"input[{index}]", merge=len(messages) > start)
         elif kind == "function_call_output":
             messages.append(tools.output_message(messages, item, f"input[{index}]"))
+        elif kind == "reasoning":  # an earlier turn's thinking, sent back: templates leave it out of the history
+            continue
         else:
             messages.append(_message(item, index))
     return messages
@@ -71,8 +73,8 @@ def _message(item, index: int) -> dict:
     param = f"input[{index}]"
     if not isinstance(item, dict) or item.get("type", "message") != "message":
         kind = item.get("type") if isinstance(item, dict) else type(item).__name__
-        raise APIError(400, f"Input items of type {kind!r} are not supported; send messages, function_call and "
-                            "function_call_output items.", "invalid_value", param)
+        raise APIError(400, f"Input items of type {kind!r} are not supported; send messages, function_call, "
+                            "function_call_output and reasoning items.", "invalid_value", param)
     role, content = item.get("role"), item.get("content")
     if role not in ("user", "assistant", "system", "developer"):
         raise APIError(400, "An input message's role must be user, assistant, system or developer.",
@@ -96,8 +98,12 @@ def _part(part, param: str) -> dict:
 
 
 def answer(done: dict) -> dict:
-    """The answer as the conversation's assistant turn (its calls as tool_calls)."""
-    return chat_message(done["choices"][0])
+    """The answer as the conversation's assistant turn (its calls as tool_calls; its reasoning left out, as
+    reasoning models' templates leave earlier turns' thinking out)."""
+    message = chat_message(done["choices"][0])
+    message.pop("reasoning_content", None)
+    message.pop("reasoning", None)
+    return message
 
 
 def now() -> int:

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from flask import jsonify
-from marshmallow import EXCLUDE, ValidationError, fields, validate, validates_schema
+from marshmallow import EXCLUDE, Schema, ValidationError, fields, validate, validates_schema
 
 from jobs import queues, records
 from jobs.lifecycle import cancel_queued, request_cancel, settle
@@ -18,7 +18,7 @@ from web.jsonbody import Blueprint
 from web.media_parts import accepts_media_parts
 from web.render.responses import Responses, echo, from_record
 from web.response_schemas import SSE, AnyObjectSchema, ServerSentEventSchema
-from web.schemas import PENALTY_FIELDS, THINKING, NotYet, PenaltiesSchema, load_chat
+from web.schemas import PENALTY_FIELDS, REASONING_EFFORTS, NotYet, PenaltiesSchema, load_chat
 from web.services import services
 
 blp = Blueprint("responses", __name__, url_prefix="/v1/responses", description="OpenAI's Responses API")
@@ -26,8 +26,25 @@ blp = Blueprint("responses", __name__, url_prefix="/v1/responses", description="
 CHAT_TIMEOUT_S = 3600
 """RQ timeout of a background response's job."""
 
-CHAT_FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+CHAT_FIELDS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
+               "reasoning_effort": "reasoning.effort"}
 """The chat fields a Responses request becomes, and the fields an error about them names."""
+
+
+class ReasoningSchema(Schema):
+    """`reasoning`: how much a reasoning model thinks (`effort`, as chat's reasoning_effort) and its summary, which
+    is the whole reasoning (an open model's thinking is not hidden): 'auto' and 'detailed' give it, 'concise'
+    would need a summarizer mlxq does not have."""
+
+    class Meta:
+        unknown = EXCLUDE
+
+    effort = fields.String(load_default=None, allow_none=True, validate=validate.OneOf(REASONING_EFFORTS))
+    summary = fields.String(load_default=None, allow_none=True, validate=validate.OneOf(
+        ("auto", "detailed"), error="must be 'auto' or 'detailed' (mlxq gives the whole reasoning; it does not "
+                                    "shorten it)"))
+    generate_summary = fields.String(load_default=None, allow_none=True, validate=validate.OneOf(
+        ("auto", "detailed"), error="must be 'auto' or 'detailed' (mlxq gives the whole reasoning)"))
 
 
 class ResponsesRequestSchema(PenaltiesSchema):
@@ -53,7 +70,7 @@ class ResponsesRequestSchema(PenaltiesSchema):
     tools = fields.List(fields.Raw(), load_default=None, allow_none=True)
     tool_choice = fields.Raw(load_default=None, allow_none=True)
     parallel_tool_calls = fields.Boolean(load_default=True, allow_none=True)
-    reasoning = NotYet(THINKING)
+    reasoning = fields.Nested(ReasoningSchema, load_default=None, allow_none=True)
     # OpenAI's Responses fields that would change the answer and that mlxq does not serve.
     conversation = NotYet("keep conversations objects; continue with `previous_response_id`", passes=())
     include = NotYet("add included outputs to a response", passes=([],))
@@ -87,6 +104,9 @@ def create_response(body):
         exc.param = _responses_param(exc.param)
         raise
     body["model"] = request.model.id
+    # The response repeats what the answer was made with: the model's defaults for what the request left out.
+    body["temperature"], body["top_p"] = request.sampling.temperature, request.sampling.top_p
+    body["max_output_tokens"] = request.sampling.max_tokens
     out = Responses(request.id, echo(body, rs.now()))
     fields = {"model": request.model.id, "metadata": body.get("metadata") or {}, "response": out.echoed}
     if body["background"]:
@@ -170,7 +190,8 @@ def _as_chat(body: dict, messages: list[dict]) -> dict:
         if fmt.get("type") == "json_schema" else fmt
     chat = load_chat({"model": body["model"], "messages": messages, "max_tokens": body["max_output_tokens"],
                       "temperature": body["temperature"], "top_p": body["top_p"],
-                      "response_format": response_format}, CHAT_FIELDS)
+                      "response_format": response_format,
+                      "reasoning_effort": (body.get("reasoning") or {}).get("effort")}, CHAT_FIELDS)
     # Checked already (tools here, the penalties by the schema, whose logit_bias keys are ints now, which
     # chat's schema cannot load again): added after loading, under chat's names, which are the same.
     return {**chat, **tools.chat_fields(body), **{name: body[name] for name in PENALTY_FIELDS}}

@@ -171,8 +171,41 @@ class NotYet(fields.Field):
         raise ValidationError(f"not supported yet: mlxq does not {self.what}; leave it out")
 
 
-THINKING = "control reasoning or thinking yet (no model's reasoning is told apart from its answer)"
-"""What the reasoning fields of the three APIs ask for, in their 400s."""
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")
+"""OpenAI's reasoning_effort values (web.intake.EFFORT_BUDGETS says what each means here)."""
+MAX_THINKING_BUDGET = 2**31 - 1
+"""A budget past any context: as good as none."""
+MAX_TEMPLATE_KWARGS_BYTES = 16 * 1024
+"""The largest chat_template_kwargs (as JSON) a request may send."""
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "bos_token", "eos_token", "raise_exception",
+})
+"""Template variables a request cannot set: the chat itself and the tokenizer's own arguments and variables."""
+
+
+class TemplateKwargs(fields.Dict):
+    """`chat_template_kwargs`: extra variables for the model's chat template (e.g. {"enable_thinking": false}),
+    names of letters, digits and underscores, JSON values, at most MAX_TEMPLATE_KWARGS_BYTES."""
+
+    def __init__(self, **kwargs):
+        super().__init__(keys=fields.String(), metadata={"description": "Extra variables for the model's chat "
+                                                         "template, passed as they are (enable_thinking: a boolean)"},
+                         **kwargs)
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        value = super()._deserialize(value, attr, data, **kwargs)
+        if len(json.dumps(value)) > MAX_TEMPLATE_KWARGS_BYTES:
+            raise ValidationError(f"must be at most {MAX_TEMPLATE_KWARGS_BYTES // 1024} KiB as JSON")
+        for name in value:
+            if not name.isidentifier() or name.startswith("_"):
+                raise ValidationError(f"'{name}' is not a template variable name (letters, digits, underscores)")
+            if name in RESERVED_TEMPLATE_KWARGS:
+                raise ValidationError(f"'{name}' is set by the server, not the request")
+        if "enable_thinking" in value and not isinstance(value["enable_thinking"], bool):
+            raise ValidationError("'enable_thinking' must be true or false")
+        return value
 
 
 class StreamOptionsSchema(Schema):
@@ -282,11 +315,19 @@ class ChatCompletionRequestSchema(SamplingSchema):
     logprobs = fields.Boolean(load_default=None, allow_none=True)
     top_logprobs = fields.Integer(strict=True, load_default=None, allow_none=True,
                                   validate=validate.Range(min=0, max=MAX_TOP_LOGPROBS))
-    # mlx_lm.server's, vLLM's and Qwen's names for thinking control; and every template argument.
-    reasoning_effort = NotYet(THINKING)
-    enable_thinking = NotYet(THINKING)
-    thinking_budget = NotYet(THINKING)
-    chat_template_kwargs = NotYet("pass arguments to the chat template yet")
+    # Thinking control (reasoning models: capability "reasoning"): OpenAI's reasoning_effort, and the names
+    # mlx_lm.server, mlx-vlm, vLLM and Qwen use; web.intake.thinking decides what they mean together.
+    reasoning_effort = fields.String(load_default=None, allow_none=True, validate=validate.OneOf(REASONING_EFFORTS),
+                                     metadata={"description": "How much a reasoning model thinks: 'none' turns "
+                                               "thinking off, the others set a thinking budget (docs/api.md)"})
+    enable_thinking = fields.Boolean(load_default=None, allow_none=True,
+                                     metadata={"description": "Whether a reasoning model thinks before it answers "
+                                               "(left out: it does)"})
+    thinking_budget = fields.Integer(strict=True, load_default=None, allow_none=True,
+                                     validate=validate.Range(min=0, max=MAX_THINKING_BUDGET),
+                                     metadata={"description": "The most tokens a reasoning model thinks for "
+                                               "(markers included); then it answers"})
+    chat_template_kwargs = TemplateKwargs(load_default=None, allow_none=True)
     # OpenAI's fields that would change the answer and that mlxq does not serve (harmless ones, such as
     # `prediction`, `service_tier` or `store`, are ignored like any unknown field).
     functions = NotYet("take the legacy `functions`; send them as `tools`", passes=([],))

@@ -8,7 +8,7 @@ import pytest
 from flask import Flask
 
 from jobs import records
-from jobs.events import DELTA, DONE, SEGMENT
+from jobs.events import DELTA, DONE, REASONING, SEGMENT
 from web.render import anthropic, jobs, openai, responses, transcripts
 from web.render.errors import error_body
 
@@ -222,3 +222,54 @@ def test_an_async_chat_result_is_a_chat_completion():
     body = jobs.result_body({"id": "job_1", "kind": "chat", "created_at": 4.2, "model": "m"}, result)
     assert body["object"] == "chat.completion" and body["id"] == "job_1" and body["created"] == 5
     assert jobs.result_body({"kind": "transcription"}, {"text": "x"}) == {"text": "x"}
+
+
+# --- Reasoning ----------------------------------------------------------------------------------
+
+def thought(text: str, index: int = 0) -> dict:
+    return {"type": REASONING, "data": {"text": text, "index": index}}
+
+
+def test_a_chat_streams_reasoning_before_content_and_answers_with_it_apart():
+    out = openai.Chat("chatcmpl-1", "m", 7)
+    final = done("4", reasoning="2 + 2 is 4.", reasoning_tokens=9)
+    frames = [data for _, data in run(out, [thought("2 + 2"), thought(" is 4."), delta("4"), final])][:-1]
+    deltas = [f["choices"][0]["delta"] for f in frames]
+    assert deltas[:4] == [{"role": "assistant", "content": ""},
+                          {"reasoning_content": "2 + 2", "reasoning": "2 + 2"},
+                          {"reasoning_content": " is 4.", "reasoning": " is 4."}, {"content": "4"}]
+    message = out.body(final["data"])["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "4", "reasoning_content": "2 + 2 is 4.",
+                       "reasoning": "2 + 2 is 4."}
+
+
+def test_a_responses_stream_gives_the_reasoning_item_first_then_the_message_at_index_1():
+    out = responses.Responses("resp_1", responses.echo({"model": "m"}, 7))
+    final = done("4", reasoning="2 + 2 is 4.")
+    events = [data for _, data in run(out, [thought("2 + 2"), thought(" is 4."), delta("4"), final])]
+    kinds = [e["type"] for e in events]
+    assert kinds[2:8] == ["response.output_item.added", "response.reasoning_summary_part.added",
+                          "response.reasoning_summary_text.delta", "response.reasoning_summary_text.delta",
+                          "response.reasoning_summary_text.done", "response.reasoning_summary_part.done"]
+    assert events[8]["type"] == "response.output_item.done" and events[8]["item"]["type"] == "reasoning"
+    assert events[7]["part"]["text"] == "2 + 2 is 4."
+    message = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert [(e["delta"], e["output_index"]) for e in message] == [("4", 1)]
+    output = events[-1]["response"]["output"]
+    assert [item["type"] for item in output] == ["reasoning", "message"]
+    assert output[0]["summary"] == [{"type": "summary_text", "text": "2 + 2 is 4."}]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+def test_a_messages_stream_gives_a_thinking_block_then_the_text_block():
+    out = anthropic.Message("msg_1", "m")
+    final = done("4", reasoning="2 + 2 is 4.")
+    events = [data for _, data in run(out, [thought("2 + 2 is 4."), delta("4"), final])]
+    blocks = [(e["type"], e.get("index"), e.get("content_block", e.get("delta"))) for e in events[1:6]]
+    assert blocks == [("content_block_start", 0, {"type": "thinking", "thinking": "", "signature": ""}),
+                      ("content_block_delta", 0, {"type": "thinking_delta", "thinking": "2 + 2 is 4."}),
+                      ("content_block_stop", 0, None),
+                      ("content_block_start", 1, {"type": "text", "text": ""}),
+                      ("content_block_delta", 1, {"type": "text_delta", "text": "4"})]
+    assert out.body(final["data"])["content"] == [{"type": "thinking", "thinking": "2 + 2 is 4.", "signature": ""},
+                                                  {"type": "text", "text": "4"}]

@@ -66,9 +66,24 @@ def fields_of(sampling) -> dict:
 
 @pytest.mark.parametrize("model, expected", [("authored", AUTHORED), ("plain", MLXQ)])
 def test_the_models_list_shows_the_defaults_a_request_gets(client, model, expected):
-    assert client.get(f"/v1/models/{model}").get_json()["sampling_defaults"] == expected
+    shown = client.get(f"/v1/models/{model}").get_json()
+    room = min(8192, shown["context_length"])  # MLXQ_MAX_TOKENS_LIMIT's default, and the model's context
+    assert shown["sampling_defaults"] == {**expected, "max_tokens": room}
     listed = {m["id"]: m for m in client.get("/v1/models").get_json()["data"]}
-    assert listed[model]["sampling_defaults"] == expected
+    assert listed[model]["sampling_defaults"] == {**expected, "max_tokens": room}
+
+
+def test_max_tokens_left_out_is_the_model_s_room_not_a_flat_512(client, redis_conn):
+    room = client.get("/v1/models/plain").get_json()["sampling_defaults"]["max_tokens"]
+    assert room > 512
+    assert queued_sampling(client, redis_conn, "/v1/jobs/chat/completions",
+                           {"model": "plain", "messages": QUESTION}).max_tokens == room
+
+
+def test_a_response_repeats_the_settings_its_answer_was_made_with(client):
+    body = client.post("/v1/responses", json={"model": "authored", "input": "Hi", "background": True}).get_json()
+    assert (body["temperature"], body["top_p"]) == (AUTHORED["temperature"], AUTHORED["top_p"])
+    assert body["max_output_tokens"] == client.get("/v1/models/authored").get_json()["sampling_defaults"]["max_tokens"]
 
 
 @pytest.mark.parametrize("path, body", [

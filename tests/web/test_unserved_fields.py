@@ -1,5 +1,5 @@
-"""Fields that would change the answer but that mlxq does not serve (yet): reasoning and thinking control (issue 32)
-and the OpenAI and Anthropic fields for things mlxq does not do (audio answers, web search, code containers...).
+"""Fields that would change the answer but that mlxq does not serve (yet): the OpenAI and Anthropic fields for things
+mlxq does not do (audio answers, web search, code containers...); thinking control is tests/web/test_thinking_fields.py.
 Any value that asks for something is a 400 naming the field, in each API's own envelope, never accepted and ignored;
 left out, null or a value that asks for nothing (an empty list, the API's own default), the call goes ahead.
 Through the real app on a real Redis, no worker: a call that passes is queued (an async job or a background response
@@ -19,21 +19,17 @@ RESPONSE = ("/v1/responses", {"model": MODEL, "input": "What is 2 + 2?"})
 MESSAGE = ("/v1/messages", {"model": MODEL, "max_tokens": 8, "messages": QUESTION})
 
 FUNCTION = {"name": "add", "parameters": {"type": "object", "properties": {}}}
-CHAT_REFUSED = [("reasoning_effort", "low"), ("reasoning_effort", "none"), ("enable_thinking", True),
-                ("enable_thinking", False), ("thinking_budget", 16), ("chat_template_kwargs", {"enable_thinking": False}),
-                ("functions", [FUNCTION]), ("function_call", "auto"), ("function_call", {"name": "add"}),
+CHAT_REFUSED = [("functions", [FUNCTION]), ("function_call", "auto"), ("function_call", {"name": "add"}),
                 ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy", "format": "wav"}),
                 ("web_search_options", {"search_context_size": "low"})]
-CHAT_PASSES = [("reasoning_effort", None), ("chat_template_kwargs", {}), ("enable_thinking", None), ("functions", []),
-               ("modalities", ["text"]), ("web_search_options", {}), ("audio", None)]
-RESPONSES_REFUSED = [("reasoning", {"effort": "high"}), ("conversation", "conv_123"),
+CHAT_PASSES = [("functions", []), ("modalities", ["text"]), ("web_search_options", {}), ("audio", None)]
+RESPONSES_REFUSED = [("conversation", "conv_123"),
                      ("include", ["message.output_text.logprobs"]), ("top_logprobs", 3),
                      ("prompt", {"id": "pmpt_123"}), ("max_tool_calls", 2), ("truncation", "auto")]
-RESPONSES_PASSES = [("reasoning", None), ("include", []), ("top_logprobs", 0), ("truncation", "disabled")]
-MESSAGES_REFUSED = [("thinking", {"type": "enabled", "budget_tokens": 1024}), ("thinking", {"type": "disabled"}),
-                    ("container", "container_1"), ("mcp_servers", [{"type": "url", "url": "https://x", "name": "x"}]),
+RESPONSES_PASSES = [("include", []), ("top_logprobs", 0), ("truncation", "disabled")]
+MESSAGES_REFUSED = [("container", "container_1"), ("mcp_servers", [{"type": "url", "url": "https://x", "name": "x"}]),
                     ("context_management", {"edits": []})]
-MESSAGES_PASSES = [("thinking", None), ("mcp_servers", [])]
+MESSAGES_PASSES = [("mcp_servers", [])]
 
 
 @pytest.fixture()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from jobs.events import DELTA, DONE
+from jobs.events import DELTA, DONE, REASONING
 from web.render.base import Renderer
 from web.render.sse import sse_data
 
@@ -57,13 +57,22 @@ def tool_input(call: dict) -> dict:
     return value if isinstance(value, dict) else {}
 
 
+def thinking_block(text: str) -> dict:
+    """A reasoning model's thinking as a `thinking` block (its signature empty: an open model's thinking is
+    not signed, and thinking blocks sent back are left out of the conversation)."""
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
 def message(message_id: str, model: str, done: dict) -> dict:
-    """Anthropic's `message` object from a chat job's `done` data: its text, then a tool_use block per call."""
+    """Anthropic's `message` object from a chat job's `done` data: its thinking, its text, then a tool_use block
+    per call."""
     choice = done["choices"][0]
     calls = tool_use_blocks(choice.get("tool_calls"))
+    thought = [thinking_block(choice["reasoning"])] if choice.get("reasoning") else []
     # The markup cut out around calls leaves line breaks: blank text beside calls is no block.
     text = [{"type": "text", "text": choice["text"]}] if choice["text"].strip() or not calls else []
-    return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": text + calls,
+    return {"id": message_id, "type": "message", "role": "assistant", "model": model,
+            "content": thought + text + calls,
             "stop_reason": "stop_sequence" if choice.get("stop_sequence") and choice["finish_reason"] == "stop"
             else STOP_REASONS.get(choice["finish_reason"], "end_turn"), "stop_sequence": choice.get("stop_sequence"),
             "usage": {"input_tokens": done["usage"]["prompt_tokens"], "output_tokens": done["usage"]["completion_tokens"]}}
@@ -75,11 +84,21 @@ def _event(kind: str, **data) -> str:
 
 
 class _Blocks:
-    """A streamed message's content blocks, at consecutive indexes: a text block opens at the first text
-    that is not blank (as in `message`), each tool call is a block of its own, sent whole."""
+    """A streamed message's content blocks, at consecutive indexes: a thinking block first (a reasoning model's),
+    then a text block that opens at the first text that is not blank (as in `message`), each tool call a block
+    of its own, sent whole."""
 
     def __init__(self):
         self.index, self.open, self.blank, self.sent = 0, False, "", set()
+        self.thinking_open = False
+        self.answered = False  # whether a text block or a call went out
+
+    def thinking(self, text: str):
+        """Frames for a piece of the thinking."""
+        if not self.thinking_open:
+            self.thinking_open = True
+            yield _event("content_block_start", index=self.index, content_block=thinking_block(""))
+        yield _event("content_block_delta", index=self.index, delta={"type": "thinking_delta", "thinking": text})
 
     def text(self, text: str):
         """Frames for a piece of the answer's text."""
@@ -87,7 +106,8 @@ class _Blocks:
             self.blank += text
             if not self.blank.strip():
                 return
-            text, self.blank, self.open = self.blank, "", True
+            yield from self._stop()
+            text, self.blank, self.open, self.answered = self.blank, "", True, True
             yield _event("content_block_start", index=self.index, content_block={"type": "text", "text": ""})
         if text:
             yield _event("content_block_delta", index=self.index, delta={"type": "text_delta", "text": text})
@@ -97,6 +117,7 @@ class _Blocks:
         if call["id"] in self.sent:
             return
         self.sent.add(call["id"])
+        self.answered = True
         yield from self._stop()
         self.blank = ""
         block = tool_use_blocks([call])[0]
@@ -108,18 +129,19 @@ class _Blocks:
 
     def end(self):
         """Frames that close the content; an answer without blocks still has its text block, blank or empty."""
-        if not self.open and not self.index:
-            yield _event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+        if not self.answered:
+            yield from self._stop()
+            yield _event("content_block_start", index=self.index, content_block={"type": "text", "text": ""})
             if self.blank:
-                yield _event("content_block_delta", index=0, delta={"type": "text_delta", "text": self.blank})
-            self.open = True
+                yield _event("content_block_delta", index=self.index, delta={"type": "text_delta", "text": self.blank})
+            self.open = self.answered = True
         yield from self._stop()
 
     def _stop(self):
         """Frames that close the open block, if one is."""
-        if self.open:
+        if self.open or self.thinking_open:
             yield _event("content_block_stop", index=self.index)
-            self.index, self.open = self.index + 1, False
+            self.index, self.open, self.thinking_open = self.index + 1, False, False
 
 
 class Message(Renderer):
@@ -143,7 +165,9 @@ class Message(Renderer):
                 "id": self.message_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
                 "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}})
         data = event["data"]
-        if event["type"] == DELTA:
+        if event["type"] == REASONING:
+            yield from self.blocks.thinking(data["text"])
+        elif event["type"] == DELTA:
             yield from self.blocks.text(data["text"])
             for call in data.get("tool_calls") or ():
                 yield from self.blocks.call(call)

@@ -5,7 +5,7 @@ Inputs are the worker's events (jobs.contract documents their data); outputs are
 
 from __future__ import annotations
 
-from jobs.events import DELTA, DONE
+from jobs.events import DELTA, DONE, REASONING
 from web.render.base import Renderer
 from web.render.sse import sse_data
 
@@ -71,11 +71,17 @@ def openai_tool_calls(calls: list | None) -> list:
 
 
 def chat_message(choice: dict) -> dict:
-    """A chat choice's assistant message: its text, and its tool calls (content null when it only calls)."""
+    """A chat choice's assistant message: its text, its reasoning (a reasoning model's thinking: vLLM's and
+    LM Studio's `reasoning_content`, mlx_lm.server's `reasoning`), and its tool calls (content null when it
+    only calls)."""
+    thought = choice.get("reasoning")
+    message = {"role": "assistant", "content": choice["text"]}
+    if thought:
+        message.update(reasoning_content=thought, reasoning=thought)
     calls = choice.get("tool_calls")
-    if not calls:
-        return {"role": "assistant", "content": choice["text"]}
-    return {"role": "assistant", "content": choice["text"].strip() or None, "tool_calls": openai_tool_calls(calls)}
+    if calls:
+        message.update(content=choice["text"].strip() or None, tool_calls=openai_tool_calls(calls))
+    return message
 
 
 def chat_completion(job_id: str, created: int, done: dict) -> dict:
@@ -126,7 +132,8 @@ class _OpenAIStream(Renderer):
 
 class Chat(_OpenAIStream):
     """A chat completion: the `chat.completion` object, or `chat.completion.chunk` frames (a role delta
-    opens each choice; each tool call comes whole, in one delta)."""
+    opens each choice; reasoning comes as `reasoning_content` deltas before the content's; each tool call
+    comes whole, in one delta)."""
 
     object = "chat.completion.chunk"
 
@@ -147,7 +154,13 @@ class Chat(_OpenAIStream):
     def frames(self, event: dict):
         """Chunks for a delta (the role first), or each choice's finish and the usage for `done`."""
         data = event["data"]
-        if event["type"] == DELTA:
+        if event["type"] == REASONING:
+            index = data.get("index", 0)
+            if index not in self.started:
+                self.started.add(index)
+                yield self._piece(index, {"role": "assistant", "content": ""})
+            yield self._piece(index, {"reasoning_content": data["text"], "reasoning": data["text"]})
+        elif event["type"] == DELTA:
             index = data.get("index", 0)
             if index not in self.started:
                 self.started.add(index)

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from workers.backends import textgen
+from workers.backends.reasoning import Thoughts
 from workers.backends.toolcalls import ToolCalls
 
 
@@ -31,6 +32,9 @@ class Sequence:
     pending_calls: list = field(default_factory=list)  # calls completed since its last delta went out
     stop_sequence: str | None = None  # the stop string that ended it, if one did
     grammar: object = None  # its GrammarProcessor, whose `error` says if the grammar failed mid-answer
+    thoughts: Thoughts | None = None  # cuts a reasoning model's thinking out of the answer
+    reasoning: list[str] = field(default_factory=list)  # its thinking, piece by piece
+    pending_reasoning: str = ""  # thought since its last delta went out
 
     def advance(self, token: int, finish_reason: str | None, logprobs=None) -> bool:
         """Feed one generated token (and the log-probabilities it was sampled from); True when the
@@ -54,12 +58,26 @@ class Sequence:
             finish_reason, self.stop_sequence = "stop", self.stops.matched
         elif finish_reason:
             text += self.stops.flush()
+        if self.thoughts is not None:
+            thought, text = self.thoughts.split(text, finish_reason is not None)
+            self.reasoning.append(thought)
+            self.pending_reasoning += thought
         if self.tools is not None:
             text, finish_reason = self._split_calls(text, finish_reason)
         self.parts.append(text)
         self.pending += text
         self.finish_reason = finish_reason
         return finish_reason is not None
+
+    @property
+    def pending_any(self) -> bool:
+        """Whether it has output its client has not been sent yet."""
+        return bool(self.pending or self.pending_reasoning or self.pending_calls)
+
+    @property
+    def reasoning_text(self) -> str | None:
+        """Its whole thinking (None when it did not think)."""
+        return "".join(self.reasoning) or None
 
     def _split_calls(self, text: str, finish_reason: str | None) -> tuple[str, str | None]:
         """Cut completed tool calls out of the text; a choice that ends after calls finishes "tool_calls"."""

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from jobs.contract import MultimodalRequest
 from workers.audio import probe
-from workers.backends import textgen, vision, whisper
+from workers.backends import reasoning, textgen, vision, whisper
 from workers.backends.base import Outcome
 from workers.backends.text import run_choices
 
@@ -40,16 +40,21 @@ class MultimodalBackend:
             transcripts = yield from _transcribe_all(request, job, models)
             messages, audio = _with_transcripts(messages, transcripts), []
         resident = models.get(request.model)
+        plans: dict[int, reasoning.Plan | None] = {}  # a reasoning text model's thinking, per choice
         if request.model.kind == "text":
-            def generate(conversation) -> Iterator[textgen.Piece]:
-                ids = textgen.chat_prompt(resident.processor, _as_text(conversation))
-                return textgen.generate(resident.model, resident.processor, ids, request.sampling,
+            def generate(conversation, index: int) -> Iterator[textgen.Piece]:
+                tokenizer = resident.processor
+                ids = textgen.chat_prompt(tokenizer, _as_text(conversation), None,
+                                          reasoning.template_kwargs(request, tokenizer))
+                plans[index] = reasoning.plan(request, tokenizer, ids)
+                return textgen.generate(resident.model, tokenizer, ids, request.sampling,
                                         request.model.context_length)
         else:
-            def generate(conversation) -> Iterator[textgen.Piece]:
+            def generate(conversation, index: int) -> Iterator[textgen.Piece]:
                 return vision.generate(resident.model, resident.processor, conversation, request.images, audio,
                                        request.sampling, request.model.context_length)
-        yield from run_choices(_with_inputs(request, messages), job, generate)
+        yield from run_choices(_with_inputs(request, messages), job, generate,
+                               thoughts=lambda index: reasoning.thoughts(plans.get(index)))
 
 
 def _transcribe_all(request: MultimodalRequest, job, models):

@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from jobs.errors import ModelTooLarge
-from workers.backends import textgen
+from workers.backends import reasoning, textgen
 
 PREPARE_WAIT_S = 0.002
 """How long a batch's step waits for the preparations of the requests taken since the last one (a short
@@ -49,7 +49,8 @@ def prepare(request, tokenizer, vocab: int, kv_per_token: int, kv_memory: Callab
     """Tokenize, check and count a request; compile its grammar. `kv_memory()`: bytes left for KV caches."""
     prompts = []  # every input checked before any is inserted: a refusal leaves the batch untouched
     for prompt in request.inputs:
-        ids = textgen.prompt_ids(tokenizer, prompt, request.tools, request.model.context_length)
+        ids = textgen.prompt_ids(tokenizer, prompt, request.tools, request.model.context_length,
+                                 reasoning.template_kwargs(request, tokenizer))
         prompts.append((ids, textgen.token_budget(len(ids), request.sampling.max_tokens,
                                                   request.model.context_length)))
     need = kv_per_token * request.n * sum(len(ids) + budget for ids, budget in prompts)

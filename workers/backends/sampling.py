@@ -170,8 +170,11 @@ class BatchSampler:
         grammars = [(i, r.grammar) for i, r in enumerate(self.rows) if r.grammar is not None]
         if grammars:
             tokens = inputs.tolist()
-            words = np.stack([g.mask_words(tokens[i] if generated[i] else None) for i, g in grammars])
-            logits = masked(logits, [i for i, _ in grammars], words)
+            # A mask of None allows every token (a thinking gate between its forced tokens).
+            masks = [(i, g.mask_words(tokens[i] if generated[i] else None)) for i, g in grammars]
+            masks = [(i, words) for i, words in masks if words is not None]
+            if masks:
+                logits = masked(logits, [i for i, _ in masks], np.stack([words for _, words in masks]))
         return logits
 
     def sample(self, logprobs: mx.array) -> mx.array:
@@ -349,11 +352,13 @@ class Processor:
 
 
 def logits_processors(sampling: Sampling, tokenizer=None, vocab_size: int = 0, grammar=None,
-                      strict: bool = True) -> list:
+                      strict: bool = True, gate=None) -> list:
     """One sequence's logits processors for mlx-lm's or mlx-vlm's own loop (none when it needs none).
     The grammar (workers/backends/grammar.py) needs the model's tokenizer and output size; `grammar`
-    a matcher compiled beforehand, `strict` whether its failure raises."""
-    row = row_for(sampling, vocab_size, grammar=make_grammar(sampling, tokenizer, vocab_size, grammar, strict))
+    a matcher compiled beforehand, `strict` whether its failure raises; `gate(grammar)` wraps it (a
+    reasoning model's thinking: workers/backends/reasoning.py)."""
+    grammar = make_grammar(sampling, tokenizer, vocab_size, grammar, strict)
+    row = row_for(sampling, vocab_size, grammar=gate(grammar) if gate is not None else grammar)
     needed = row.grammar is not None or row.logit_bias or row.penalized or row.repetition_penalty != 1.0
     return [Processor(row)] if needed else []
 

@@ -14,9 +14,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from jobs.contract import Choice, TextRequest, TextResult
-from jobs.events import DELTA
-from workers.backends import textgen, toolcalls
+from jobs.events import DELTA, REASONING
+from workers.backends import reasoning, textgen, toolcalls
 from workers.backends.base import Outcome
+from workers.backends.reasoning import Thoughts
 from workers.backends.toolcalls import ToolCalls
 
 
@@ -33,20 +34,27 @@ class TextBackend:
     def run(self, request: TextRequest, job, models) -> Iterator[Outcome | None]:
         """Generate one choice per input, publishing deltas; end with the usage-counted answer."""
         resident = models.get(request.model)
+        tokenizer = resident.processor
+        vocab = textgen.output_size(resident.model, tokenizer)
+        thinking: dict[int, reasoning.Plan | None] = {}  # per choice: its reasoning plan
 
-        def generate(prompt) -> Iterator[textgen.Piece]:
-            ids = textgen.prompt_ids(resident.processor, prompt, request.tools)
-            return textgen.generate(resident.model, resident.processor, ids, request.sampling,
-                                    request.model.context_length)
+        def generate(prompt, index: int) -> Iterator[textgen.Piece]:
+            ids = textgen.prompt_ids(tokenizer, prompt, request.tools, request.model.context_length,
+                                     reasoning.template_kwargs(request, tokenizer))
+            plan = thinking[index] = reasoning.plan(request, tokenizer, ids)
+            return textgen.generate(resident.model, tokenizer, ids, request.sampling, request.model.context_length,
+                                    gate=lambda grammar: reasoning.gate(plan, tokenizer, vocab, grammar))
 
-        return run_choices(request, job, generate, lambda: toolcalls.for_request(request, resident.processor))
+        return run_choices(request, job, generate, lambda: toolcalls.for_request(request, tokenizer),
+                           lambda index: reasoning.thoughts(thinking.get(index)))
 
 
-def run_choices(request, job, generate: Callable[[object], Iterator[textgen.Piece]],
-                splitter: Callable[[], ToolCalls | None] = lambda: None) -> Iterator[Outcome | None]:
-    """Generate each choice of a request in turn (`generate(input)` gives its Pieces), publishing deltas
-    (tool calls cut out by a fresh `splitter()` per choice); end with the usage-counted answer. A
-    backend's `run` for text-like requests."""
+def run_choices(request, job, generate: Callable[[object, int], Iterator[textgen.Piece]],
+                splitter: Callable[[], ToolCalls | None] = lambda: None,
+                thoughts: Callable[[int], Thoughts | None] = lambda index: None) -> Iterator[Outcome | None]:
+    """Generate each choice of a request in turn (`generate(input, index)` gives choice `index`'s Pieces),
+    publishing deltas (a reasoning model's thinking cut out by `thoughts(index)`, tool calls by a fresh
+    `splitter()` per choice); end with the usage-counted answer. A backend's `run` for text-like requests."""
     interval = job.settings.stream_interval_ms / 1000
     choices, prompt_tokens, completion_tokens, held = [], 0, 0, []
     inputs = [prompt for prompt in request.inputs for _ in range(request.n)]  # choice i*n + k
@@ -55,19 +63,21 @@ def run_choices(request, job, generate: Callable[[object], Iterator[textgen.Piec
             job.publish(held)
         elif index:
             job.check_cancel()
-        pieces = generate(prompt)
+        pieces = generate(prompt, index)
+        out = Output(splitter(), thoughts(index))
         try:
-            text, final, last_delta, logprobs, calls = yield from _stream(pieces, job, index, interval, splitter())
+            final = yield from _stream(pieces, job, index, interval, out)
         except BaseException:
             pieces.close()  # leaving early (a cancel, a timeout, shutdown): generation stops here
             raise
         wanted = request.sampling.logprobs is not None
-        finish = "tool_calls" if calls and final.finish_reason == "stop" else final.finish_reason
-        choices.append(Choice(index, text, finish, logprobs if wanted else None, calls or None,
-                              final.stop_sequence))
+        finish = "tool_calls" if out.calls and final.finish_reason == "stop" else final.finish_reason
+        choices.append(Choice(index, "".join(out.parts), finish, out.entries if wanted else None, out.calls or None,
+                              final.stop_sequence, "".join(out.reasoning) or None,
+                              out.thoughts.tokens if out.thoughts else 0))
         prompt_tokens += final.prompt_tokens
         completion_tokens += final.tokens
-        held = [delta(index, *last_delta)] if any(last_delta) else []
+        held = out.events(index)
         if index < len(inputs) - 1:
             pieces.close()
     result = TextResult(request.model.id, choices, prompt_tokens, completion_tokens, int(time.time()))
@@ -84,27 +94,58 @@ def delta(index: int, text: str, logprobs: list, tool_calls: list | None = None)
                    **({"tool_calls": tool_calls} if tool_calls else {})}
 
 
-def _stream(pieces: Iterator[textgen.Piece], job, index: int, interval: float, tools: ToolCalls | None):
-    """Publish a choice's deltas as it generates, yielding after each; return (its text, its final
-    Piece, its last delta unpublished (text, logprobs, calls): it goes out with the next event in one
-    round trip, all its logprobs entries, all its tool calls)."""
-    parts, pending, last_sent, entries, pending_entries = [], "", -math.inf, [], []
-    calls, pending_calls = [], []
-    for piece in pieces:
+def choice_events(index: int, thought: str, text: str, logprobs: list, tool_calls: list) -> list[tuple[str, dict]]:
+    """The events of a choice's output since its last ones: its thinking (a reasoning event) before its answer
+    (a delta, when there is any)."""
+    events = [(REASONING, {"index": index, "text": thought})] if thought else []
+    if text or logprobs or tool_calls:
+        events.append(delta(index, text, logprobs, tool_calls))
+    return events
+
+
+class Output:
+    """What one choice has generated on the one-at-a-time path: its answer, thinking, calls and logprobs
+    entries, and what of them has not been published yet."""
+
+    def __init__(self, tools: ToolCalls | None, thoughts: Thoughts | None):
+        self.tools, self.thoughts = tools, thoughts
+        self.parts, self.reasoning, self.entries, self.calls = [], [], [], []
+        self.pending, self.pending_reasoning, self.pending_entries, self.pending_calls = "", "", [], []
+
+    def add(self, piece: textgen.Piece) -> None:
+        """Take one piece's text apart (thinking, answer, calls) and keep it."""
         text = piece.text
-        if tools is not None:
-            text, new = tools.split(text, piece.final)
-            calls += new
-            pending_calls += new
-        parts.append(text)
-        pending += text
+        if self.thoughts is not None:
+            thought, text = self.thoughts.split(text, piece.final)
+            self.reasoning.append(thought)
+            self.pending_reasoning += thought
+        if self.tools is not None:
+            text, new = self.tools.split(text, piece.final)
+            self.calls += new
+            self.pending_calls += new
+        self.parts.append(text)
+        self.pending += text
         if piece.logprob is not None:
-            entries.append(piece.logprob)
-            pending_entries.append(piece.logprob)
+            self.entries.append(piece.logprob)
+            self.pending_entries.append(piece.logprob)
+
+    def events(self, index: int) -> list[tuple[str, dict]]:
+        """The events of what has not been published yet (and now counts as published)."""
+        events = choice_events(index, self.pending_reasoning, self.pending, self.pending_entries, self.pending_calls)
+        self.pending, self.pending_reasoning, self.pending_entries, self.pending_calls = "", "", [], []
+        return events
+
+
+def _stream(pieces: Iterator[textgen.Piece], job, index: int, interval: float, out: Output):
+    """Publish a choice's events as it generates, yielding after each publish; return its final Piece (its
+    last events stay unpublished in `out`: they go out with the next event in one round trip)."""
+    last_sent = -math.inf
+    for piece in pieces:
+        out.add(piece)
         if piece.final:
-            return "".join(parts), piece, (pending, pending_entries, pending_calls), entries, calls
-        if (pending or pending_calls) and time.monotonic() - last_sent >= interval:
-            job.publish([delta(index, pending, pending_entries, pending_calls)])
-            pending, pending_entries, pending_calls, last_sent = "", [], [], time.monotonic()
+            return piece
+        if (out.pending or out.pending_reasoning or out.pending_calls) and time.monotonic() - last_sent >= interval:
+            job.publish(out.events(index))
+            last_sent = time.monotonic()
             yield
     raise RuntimeError("the generation ended without a finish reason")

@@ -34,12 +34,12 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 
 from jobs.contract import Choice, TextResult
 from jobs.errors import Canceled
-from workers.backends import prefill, prepare, sampling, textgen, toolcalls
+from workers.backends import prefill, prepare, reasoning, sampling, textgen, toolcalls
 from workers.backends.base import Outcome
 from workers.backends.choice import Member, Sequence
 from workers.backends.decoding import DecodeBatch, Joining
 from workers.backends.prefill import Prompt, Start
-from workers.backends.text import delta
+from workers.backends.text import choice_events
 
 log = logging.getLogger(__name__)
 
@@ -370,13 +370,16 @@ class TextBatch:
         cached = len(ids) - len(rest)
         order = next(self._order)
         starts = []
+        thinking = reasoning.plan(request, self.tokenizer, ids)
         for copy in range(request.n):
             # A grammar's failure ends this sequence, not the batch (its request is told: _outcome).
-            row = sampling.row_for(request.sampling, self.vocab, copy, sampling.make_grammar(
-                request.sampling, self.tokenizer, self.vocab, grammar, strict=False))
+            constraint = sampling.make_grammar(request.sampling, self.tokenizer, self.vocab, grammar, strict=False)
+            row = sampling.row_for(request.sampling, self.vocab, copy,
+                                   reasoning.gate(thinking, self.tokenizer, self.vocab, constraint))
             seq = Sequence(task, index * request.n + copy, len(ids), cached, self.tokenizer.detokenizer,
                            textgen.StopBuffer(request.sampling.stop), tokenizer=self.tokenizer,
-                           tools=toolcalls.for_request(request, self.tokenizer), grammar=row.grammar)
+                           tools=toolcalls.for_request(request, self.tokenizer), grammar=row.grammar,
+                           thoughts=reasoning.thoughts(thinking))
             starts.append(Start(seq, budget, row, order))
         cache = cache if cache is not None else make_prompt_cache(self.resident.model)
         return Prompt(task, starts, cache, ids[:cached], list(rest), order)
@@ -388,8 +391,7 @@ class TextBatch:
         for member in self.members.values():
             if member.done:
                 ended.append((member.task, self._outcome(member)))
-            elif now - member.last_sent >= self.interval and any(s.pending or s.pending_calls
-                                                                   for s in member.sequences):
+            elif now - member.last_sent >= self.interval and any(s.pending_any for s in member.sequences):
                 due.append(member)
         if due:
             canceled = self._send([(m.task, self._deltas(m)) for m in due])
@@ -422,10 +424,11 @@ class TextBatch:
 
     @staticmethod
     def _deltas(member: Member) -> list:
-        events = [delta(s.index, s.pending, s.pending_logprobs, s.pending_calls) for s in member.sequences
-                  if s.pending or s.pending_logprobs or s.pending_calls]
+        events = [event for s in member.sequences
+                  for event in choice_events(s.index, s.pending_reasoning, s.pending, s.pending_logprobs,
+                                             s.pending_calls)]
         for seq in member.sequences:
-            seq.pending, seq.pending_logprobs, seq.pending_calls = "", [], []
+            seq.pending, seq.pending_reasoning, seq.pending_logprobs, seq.pending_calls = "", "", [], []
         return events
 
     def _outcome(self, member: Member) -> Outcome | Exception:
@@ -439,7 +442,8 @@ class TextBatch:
             return GrammarFailed(failed)
         wanted = request.sampling.logprobs is not None
         choices = [Choice(s.index, "".join(s.parts), s.finish_reason, s.logprobs if wanted else None,
-                          s.tool_calls or None, s.stop_sequence) for s in member.sequences]
+                          s.tool_calls or None, s.stop_sequence, s.reasoning_text,
+                          s.thoughts.tokens if s.thoughts else 0) for s in member.sequences]
         prompts = {s.index // request.n: s for s in member.sequences}  # a prompt counts once for its n choices
         result = TextResult(request.model.id, choices, sum(s.prompt_tokens for s in prompts.values()),
                             sum(s.tokens for s in member.sequences), int(time.time()),

@@ -50,25 +50,29 @@ def materialize(model, float32: bool):
     return model
 
 
-def chat_prompt(tokenizer, messages: Sequence[dict], tools: list[dict] | None = None) -> list[int]:
-    """Token ids of a chat, rendered with the model's chat template (with its tools, if any) and the
-    assistant turn opened."""
+def chat_prompt(tokenizer, messages: Sequence[dict], tools: list[dict] | None = None,
+                template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of a chat, rendered with the model's chat template (with its tools, if any, and the
+    request's template variables) and the assistant turn opened."""
     if getattr(tokenizer, "chat_template", None) is None:
         # A base model has no template: a plain transcript is the honest fallback.
         lines = [f"{m['role']}: {m['content']}" for m in messages]
         return text_prompt(tokenizer, "\n".join(lines) + "\nassistant:")
-    extra = {"tools": tools} if tools else {}
+    extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
     ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, **extra)
     return list(ids["input_ids"] if isinstance(ids, dict) else ids)
 
 
 def prompt_ids(tokenizer, prompt: str | Sequence[dict], tools: list[dict] | None = None,
-               context_length: int | None = None) -> list[int]:
-    """Token ids of a request's input: a chat (a list of messages, with tools) or a plain completion
-    prompt; one that cannot fit `context_length` is refused from its length before it is tokenized."""
+               context_length: int | None = None, template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of a request's input: a chat (a list of messages, with tools and template variables) or a
+    plain completion prompt; one that cannot fit `context_length` is refused from its length before it is
+    tokenized."""
     if context_length:
         check_length(tokenizer, prompt, context_length)
-    return chat_prompt(tokenizer, prompt, tools) if isinstance(prompt, list) else text_prompt(tokenizer, prompt)
+    if isinstance(prompt, list):
+        return chat_prompt(tokenizer, prompt, tools, template_kwargs)
+    return text_prompt(tokenizer, prompt)
 
 
 def check_length(tokenizer, prompt, context_length: int) -> None:
@@ -165,10 +169,11 @@ def token_budget(prompt_tokens: int, max_tokens: int, context_length: int | None
     return int(min(max_tokens, limit - prompt_tokens))
 
 
-def _generation_kwargs(sampling: Sampling, vocab_size: int, tokenizer=None) -> dict:
-    """stream_generate's sampler and logits processors for these settings."""
+def _generation_kwargs(sampling: Sampling, vocab_size: int, tokenizer=None, gate=None) -> dict:
+    """stream_generate's sampler and logits processors for these settings (`gate`: wraps the grammar, for a
+    reasoning model's thinking: workers/backends/reasoning.py)."""
     sampler = make_sampler(sampling, vocab_size)
-    return {"sampler": sampler, "logits_processors": logits_processors(sampling, tokenizer, vocab_size)}
+    return {"sampler": sampler, "logits_processors": logits_processors(sampling, tokenizer, vocab_size, gate=gate)}
 
 
 @dataclass(frozen=True)
@@ -190,10 +195,11 @@ def logprob_of(sampling: Sampling, tokenizer, token: int | None, logprobs, finis
 
 
 def generate(model, tokenizer, prompt: list[int], sampling: Sampling,
-             context_length: int | None = None) -> Iterator[Piece]:
-    """Generate from token ids: one Piece per token; the last one carries the finish reason."""
+             context_length: int | None = None, gate=None) -> Iterator[Piece]:
+    """Generate from token ids: one Piece per token; the last one carries the finish reason. `gate(grammar)`
+    gives the sequence's token-level constraint around its grammar (a reasoning model's thinking budget)."""
     budget = token_budget(len(prompt), sampling.max_tokens, context_length)
-    kwargs = _generation_kwargs(sampling, output_size(model, tokenizer), tokenizer)
+    kwargs = _generation_kwargs(sampling, output_size(model, tokenizer), tokenizer, gate)
     steps = (Step(step.text, step.generation_tokens, len(prompt), step.finish_reason,
                   logprob_of(sampling, tokenizer, step.token, step.logprobs, step.finish_reason))
              for step in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=budget, **kwargs))
