@@ -24,6 +24,12 @@ def test_the_markers_and_the_blanks_around_them_go_to_neither_part():
     assert split(pieces) == ("2 + 2 is 4.", "It is 4.", 11)
 
 
+def test_a_marker_in_the_answer_is_never_content():
+    # A block closed for the model (its budget) that it goes on with and closes again itself.
+    pieces = ["<think>", "17 + 2", "</think>", "\n\n", "17 + 2 = 20.", "\n</th", "ink>\n\n", "20."]
+    assert split(pieces) == ("17 + 2", "17 + 2 = 20.\n\n\n20.", 3)
+
+
 def test_an_answer_without_a_block_is_all_answer():
     assert split(["Hello", " there", "."]) == ("", "Hello there.", 0)
     assert split(["<", "b>bold</b>"]) == ("", "<b>bold</b>", 0)  # a start marker's prefix that isn't one
@@ -64,6 +70,8 @@ def test_markers_come_from_the_chat_template():
 
 class CharTokenizer:
     """One token per character (ids are code points): enough to watch the gate count and force."""
+
+    eos_token_id = 0
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [ord(c) for c in text]
@@ -126,3 +134,9 @@ def test_a_grammar_waits_for_the_end_of_the_block_which_the_gate_opens_for_it():
     out = run_gate(gate, "<think>ok</think>yyy", 20)
     assert out.startswith("<think>ok</think>xxx")  # opened for the model; the grammar from the answer's first token
     assert grammar.fed[0] is None  # its first mask: as at a prompt's end
+
+
+def test_a_block_that_a_grammar_waits_for_cannot_end_the_answer():
+    gate = ThinkingGate(CharTokenizer(), 256, "<think>", "</think>", THINKING, budget=None, inner=Grammar())
+    mask = allowed(gate.mask_words(None))
+    assert 0 not in mask and ord("a") in mask and len(mask) == 255

