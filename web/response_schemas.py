@@ -33,6 +33,12 @@ class PromptTokensDetailsSchema(Schema):
     cached_tokens = fields.Integer(required=True)
 
 
+class CompletionTokensDetailsSchema(Schema):
+    """How many of the completion tokens a reasoning model spent thinking (markers included)."""
+
+    reasoning_tokens = fields.Integer(required=True)
+
+
 class UsageSchema(Schema):
     """Token counts of a text answer."""
 
@@ -40,6 +46,7 @@ class UsageSchema(Schema):
     completion_tokens = fields.Integer(required=True)
     total_tokens = fields.Integer(required=True)
     prompt_tokens_details = fields.Nested(PromptTokensDetailsSchema)
+    completion_tokens_details = fields.Nested(CompletionTokensDetailsSchema)
 
 
 class FunctionCallSchema(Schema):
@@ -64,6 +71,8 @@ class AssistantMessageSchema(Schema):
     content = fields.String(required=True, allow_none=True,
                             metadata={"description": "The answer; null when the choice only calls tools"})
     tool_calls = fields.List(fields.Nested(ToolCallSchema), metadata={"description": "Present when it calls tools"})
+    reasoning_content = fields.String(metadata={"description": "A reasoning model's thinking, apart from the answer"})
+    reasoning = fields.String(metadata={"description": "The same as reasoning_content (mlx_lm.server's name)"})
 
 
 class ChatChoiceSchema(Schema):

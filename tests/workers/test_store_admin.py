@@ -16,6 +16,7 @@ from jobs.store import list_models, resolve
 from mlxq.models_cli import models
 from tests.conftest import free_port
 from workers.demo.pull import DEMO_MODELS, DEMO_VLM
+from workers.demo.think_model import NAME as THINK_DEMO
 from workers.demo.tools_model import NAME as TOOLS_DEMO
 from workers.demo.tools_model import VARIANTS as TOOLS_DEMOS
 from workers.store_admin import HUB_UNREACHABLE, downloads_dir
@@ -116,7 +117,7 @@ def demo_store(tmp_path_factory):
 
 
 def test_pull_demo_twice_is_fast_and_idempotent(demo_store):
-    names = [d.name for d in DEMO_MODELS] + [*TOOLS_DEMOS, DEMO_VLM]
+    names = [d.name for d in DEMO_MODELS] + [*TOOLS_DEMOS, THINK_DEMO, DEMO_VLM]
     manifests = {name: demo_store / name / "mlxq.json" for name in names}
     mtimes = {name: path.stat().st_mtime_ns for name, path in manifests.items()}
     wheels = {p.name: p.stat().st_mtime_ns for p in (downloads_dir() / "wheels").iterdir()}

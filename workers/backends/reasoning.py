@@ -86,12 +86,16 @@ def thoughts(plan: Plan | None) -> Thoughts | None:
     return None if plan is None else Thoughts(plan.start, plan.end, plan.state)
 
 
-def gate(plan: Plan | None, tokenizer, vocab_size: int, grammar=None):
+def gate(plan: Plan | None, tokenizer, vocab_size: int, grammar=None, room: int | None = None):
     """What a choice's row decodes under: its grammar, behind a ThinkingGate when it reasons with a budget or
-    must think before its grammar applies."""
+    must think before its grammar applies. `room`: the tokens the choice may generate; a grammar's answer gets
+    half of them at least (a block left open would leave none: the model may never close it itself)."""
     if plan is None or plan.state == ANSWER or (plan.budget is None and grammar is None):
         return grammar
-    return ThinkingGate(tokenizer, vocab_size, plan.start, plan.end, plan.state, plan.budget, grammar)
+    budget = plan.budget
+    if grammar is not None and room is not None:
+        budget = min(budget if budget is not None else room, room // 2)
+    return ThinkingGate(tokenizer, vocab_size, plan.start, plan.end, plan.state, budget, grammar)
 
 
 def opening_state(prompt_text: str, start: str, end: str) -> str:

@@ -43,7 +43,8 @@ class TextBackend:
                                      reasoning.template_kwargs(request, tokenizer))
             plan = thinking[index] = reasoning.plan(request, tokenizer, ids)
             return textgen.generate(resident.model, tokenizer, ids, request.sampling, request.model.context_length,
-                                    gate=lambda grammar: reasoning.gate(plan, tokenizer, vocab, grammar))
+                                    gate=lambda grammar: reasoning.gate(plan, tokenizer, vocab, grammar,
+                                                                        request.sampling.max_tokens))
 
         return run_choices(request, job, generate, lambda: toolcalls.for_request(request, tokenizer),
                            lambda index: reasoning.thoughts(thinking.get(index)))

@@ -375,7 +375,7 @@ class TextBatch:
             # A grammar's failure ends this sequence, not the batch (its request is told: _outcome).
             constraint = sampling.make_grammar(request.sampling, self.tokenizer, self.vocab, grammar, strict=False)
             row = sampling.row_for(request.sampling, self.vocab, copy,
-                                   reasoning.gate(thinking, self.tokenizer, self.vocab, constraint))
+                                   reasoning.gate(thinking, self.tokenizer, self.vocab, constraint, budget))
             seq = Sequence(task, index * request.n + copy, len(ids), cached, self.tokenizer.detokenizer,
                            textgen.StopBuffer(request.sampling.stop), tokenizer=self.tokenizer,
                            tools=toolcalls.for_request(request, self.tokenizer), grammar=row.grammar,

@@ -9,7 +9,8 @@ render without their reasoning, as Qwen3's do.
 
 The format is taught by a LoRA adapter trained here with mlx-lm's own trainer on a few hundred
 generated questions (sums, products, comparisons, number sequences, unit conversions, capitals, weekdays)
-with a sentence of working each that ends "So the answer is ...", a quarter of them without thinking;
+with a sentence of working each that ends "So the answer is ...", 40 % of them without thinking, and a few
+chats that call a tool;
 then fused into the weights (the layers it touches stored unquantized, the rest as the text demo's). It is a 135M model taught a
 format on synthetic examples, not a reasoner: the working is often wrong outside those kinds.
 
