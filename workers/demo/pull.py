@@ -70,7 +70,7 @@ _FACTS = "build-facts.json"
 
 def pull_demo(settings, log: Callable[[str], None] | None = None) -> list[ModelInfo]:
     """Fetch and import the demo models that are not in the store yet, then the ones made from them (the tool
-    template variant, the toy VLM); return them all."""
+    template variants, the thinking demo, the toy VLM); return them all."""
     log = log or (lambda message: None)
     infos = []
     for demo in DEMO_MODELS:
@@ -131,11 +131,12 @@ def _pull_tools_variant(settings, log: Callable[[str], None], name: str, style: 
 
 
 def pull_demo_think(settings, log: Callable[[str], None]) -> ModelInfo:
-    """Put the thinking demo in the store (from the build cache, training it first if needed), unless it is there."""
+    """Put the thinking demo in the store (from the build cache, training it first if needed), unless it is there
+    from this build; an entry from an older build is replaced, as the tool variants' are."""
     from workers.demo.think_model import DESCRIPTION, NAME, build_think_model
 
     info = store.store_entry(settings, NAME)
-    if info is not None:
+    if info is not None and info.source == f"built:{_build_dir(NAME, _THINK_SOURCES)}":
         log(f"{NAME}: already in the store")
         return info
     text_demo, text = _text_demo_entry(settings, NAME)
@@ -145,7 +146,7 @@ def pull_demo_think(settings, log: Callable[[str], None]) -> ModelInfo:
                   "upstream": f"{text_demo.upstream} (weights); LoRA adapter and chat template by mlxq",
                   "origin": "mlxq demo build: workers/demo/think_model.py, generated questions",
                   "description": DESCRIPTION, "toy": True}
-    return import_into_store(settings, NAME, _copy_build, built, provenance)
+    return import_into_store(settings, NAME, _copy_build, built, provenance, force=info is not None)
 
 
 def pull_demo_vlm(settings, log: Callable[[str], None]) -> ModelInfo:
@@ -193,12 +194,17 @@ def _build_vlm(text_dir: Path, out_dir: Path, log: Callable[[str], None]) -> dic
     return build_demo_vlm(text_dir, out_dir, log)
 
 
+def _build_dir(name: str, sources: tuple[str, ...]) -> Path:
+    """Where the cache keeps the build of `name` from these sources (and the text demo's wheel)."""
+    return downloads_dir() / "built" / f"{name}-{build_key(sources)}"
+
+
 def _cached_build(name: str, sources: tuple[str, ...], build: Callable[[Path, Path, Callable], dict],
                   text: ModelInfo, log: Callable[[str], None], what: str) -> Path:
     """The directory of a finished build of `name` in the cache; `build(text_dir, out_dir, log)` it there (which
     `what` describes) if missing."""
-    built_dir = downloads_dir() / "built"
-    cached = built_dir / f"{name}-{build_key(sources)}"
+    cached = _build_dir(name, sources)
+    built_dir = cached.parent
     if (cached / _FACTS).is_file():
         log(f"{name}: copying the cached build {cached}")
         return cached
@@ -223,4 +229,5 @@ def _cached_build(name: str, sources: tuple[str, ...], build: Callable[[Path, Pa
 def _copy_build(src: Path, out_dir: Path) -> dict:
     """Converter for import_into_store: copy a cached build into out_dir; return its build facts."""
     shutil.copytree(src, out_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns(_FACTS))
+    os.chmod(out_dir, 0o755)  # copytree gave it the cache entry's mode: mkdtemp's 0700
     return json.loads((src / _FACTS).read_text())

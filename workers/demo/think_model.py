@@ -7,12 +7,13 @@ prompt ends with an empty `<think>\\n\\n</think>\\n\\n` and the model answers at
 plain text (several tokens each in SmolLM2's vocabulary: no token is added). Earlier assistant turns
 render without their reasoning, as Qwen3's do.
 
-The format is taught by a LoRA adapter trained here with mlx-lm's own trainer on a few hundred
-generated questions (sums, products, comparisons, number sequences, unit conversions, capitals, weekdays)
-with a sentence of working each that ends "So the answer is ...", 40 % of them without thinking, and a few
-chats that call a tool;
-then fused into the weights (the layers it touches stored unquantized, the rest as the text demo's). It is a 135M model taught a
-format on synthetic examples, not a reasoner: the working is often wrong outside those kinds.
+The format is taught by a LoRA adapter trained here with mlx-lm's own trainer (its LoRA layers, its
+`train` loop; a loss and batches of our own) on a few hundred generated questions: sums, products,
+comparisons, number sequences, unit conversions, capitals, weekdays and small talk, each with a
+sentence of working that ends "So the answer is ...", 40% of them with thinking off, and a few chats
+that think, then call a tool. The adapter is then fused into the weights (the layers it touches
+stored in float16, the rest as the text demo's). It is a 135M model taught a format on synthetic
+examples, not a reasoner: the working and the answer are often wrong.
 
 Building runs in a child process (`python -m workers.demo.think_model TEXT_DIR OUT_DIR FACTS`) for the
 reason workers/demo/vlm_build.py gives: it preloads the fast BLAS that training needs.
@@ -100,28 +101,28 @@ CHAT_TEMPLATE = (
 TRAIN_SEED = 0  # questions() seed of the training set; the build's check and the tests use others
 VERIFY_SEED = 1
 VERIFY_QUESTIONS = 4  # asked with thinking on and off before the build succeeds
-BUILD_TIMEOUT_S = 600  # the build takes ~2 minutes on 2 CPU cores; a hung child must not hang pull-demo
+BUILD_TIMEOUT_S = 900  # the build takes 2-4 minutes on 2 CPU cores; a hung child must not hang pull-demo
 ADAPTER_DIR = "adapter"  # a subdirectory: mlx-lm's loader reads only the top level's *.safetensors
 
 
 @dataclass(frozen=True)
 class Settings:
-    """Training knobs, measured on 2 CPU cores (about 2 s a step): one pass over the examples."""
+    """Training knobs, measured on 2 CPU cores (1.5-3 s a step, as busy as the machine is): one pass."""
 
-    examples: int = 240
-    tool_chats: int = 8  # and chats with a tool to call (4x longer: a tools system turn)
+    examples: int = 184
+    tool_chats: int = 24  # and chats that think, then call a tool (4x longer: a tools system turn)
     no_think_share: float = 0.4  # rendered with enable_thinking false: the completion is the answer alone
-    iters: int = 62  # one pass: (240 + 8) / 4
+    iters: int = 52  # one pass: (184 + 24) / 4
     batch_size: int = 4
     learning_rate: float = 5e-4  # the peak, after a linear warm-up; then a cosine decay to a tenth (1e-3 diverged)
     warmup: int = 5
     lora_layers: int = 8  # the last N transformer blocks get adapters (all their linear layers)
     rank: int = 8
     scale: float = 20.0
-    max_seq_length: int = 256  # the longest chat is 76 tokens, 240 with a tool
+    max_seq_length: int = 320  # the longest chat is 76 tokens, 312 with two tools
 
 
-# --- the generated questions: (question, one or two sentences of working, short answer) ---
+# --- the generated questions: (question, a sentence of working, short answer) ---
 
 CAPITALS = {
     "France": ("Europe", "Paris"), "Germany": ("Europe", "Berlin"), "Italy": ("Europe", "Rome"),
@@ -248,24 +249,32 @@ TOOLS = {"get_weather": ("Get the current weather in a city.", "the weather in {
 """Functions of the chats with tools: description, what the user wants, how they ask."""
 
 
-def tool_chat(rng: random.Random, thinking: bool) -> dict:
-    """A chat with one tool (in the system turn) that the assistant calls: the reasoning says why."""
+def tool_schema(name: str, rng: random.Random) -> dict:
+    """A tool definition for `name`, its city parameter's schema written one of a few ways."""
+    city = rng.choice(({"type": "string"}, {"type": "string", "maxLength": 20},
+                       {"type": "string", "description": "The city's name"}))
+    parameters = {"type": "object", "properties": {"city": city}, "required": ["city"]}
+    if rng.random() < 0.5:
+        parameters["additionalProperties"] = False
+    return {"type": "function", "function": {"name": name, "description": TOOLS[name][0], "parameters": parameters}}
+
+
+def tool_chat(rng: random.Random) -> dict:
+    """A chat with a tool or two (in the system turn), one of which the assistant calls after thinking why."""
     name = rng.choice(sorted(TOOLS))
-    description, wanted, asked = TOOLS[name]
+    _, wanted, asked = TOOLS[name]
     city = CAPITALS[rng.choice(sorted(CAPITALS))][1]
-    tool = {"type": "function", "function": {"name": name, "description": description, "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    offered = sorted(TOOLS) if rng.random() < 0.3 else [name]
     working = f"The user wants {wanted.format(city)}. So I call {name}."
     call = {"type": "function", "function": {"name": name, "arguments": {"city": city}}}
-    reply = {"role": "assistant", "content": f"<think>\n{working}\n</think>\n\n" if thinking else "",
-             "tool_calls": [call]}
-    return {"messages": [{"role": "user", "content": rng.choice(asked).format(city)}, reply], "tools": [tool],
-            "enable_thinking": thinking}
+    reply = {"role": "assistant", "content": f"<think>\n{working}\n</think>\n\n", "tool_calls": [call]}
+    return {"messages": [{"role": "user", "content": rng.choice(asked).format(city)}, reply],
+            "tools": [tool_schema(tool, rng) for tool in offered], "enable_thinking": True}
 
 
 def examples(settings: Settings) -> list[dict]:
     """The training set: chats whose last turn, the assistant's reply, is the completion, and the
-    enable_thinking they are rendered with (a share off: then the reply is the answer alone, or the call)."""
+    enable_thinking they are rendered with (a share off: then the reply is the answer alone)."""
     rng = random.Random(TRAIN_SEED)
     out = []
     for question, working, answer in questions(TRAIN_SEED, settings.examples):
@@ -273,13 +282,13 @@ def examples(settings: Settings) -> list[dict]:
         reply = f"<think>\n{working}\n</think>\n\n{answer}" if thinking else answer
         out.append({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": reply}],
                     "enable_thinking": thinking})
-    return out + [tool_chat(rng, rng.random() >= settings.no_think_share) for _ in range(settings.tool_chats)]
+    return out + [tool_chat(rng) for _ in range(settings.tool_chats)]
 
 
 def tokenized(example: dict, tokenizer) -> tuple[list[int], int]:
     """An example as mlx-lm's trainer takes it: (token ids of the whole chat, where its completion starts);
     the prompt's ids as a request has them, then the completion's tokenized alone (tokenizing the chat
-    whole would merge tokens across the seam: "\n\nFriday")."""
+    whole would merge tokens across the seam: "\\n\\nFriday")."""
     messages, render = example["messages"], partial(tokenizer.apply_chat_template, tools=example.get("tools"),
                                                     enable_thinking=example["enable_thinking"], tokenize=False)
     chat, prompt = render(messages), render(messages[:-1], add_generation_prompt=True)
@@ -351,7 +360,7 @@ def train_adapter(model_dir: Path, adapter_dir: Path, settings: Settings, log: C
             losses.append(round(info["train_loss"], 4))
             log(f"step {info['iteration']}/{settings.iters}: loss {info['train_loss']:.3f}")
 
-    data = [tokenized(example, tokenizer) for example in examples(settings)]  # the trainer batches by length
+    data = [tokenized(example, tokenizer) for example in examples(settings)]
     window = max(len(ids) - start for ids, start in data)
     args = TrainingArgs(batch_size=settings.batch_size, iters=settings.iters, steps_per_report=8,
                         steps_per_save=settings.iters + 1, max_seq_length=settings.max_seq_length,
@@ -367,7 +376,7 @@ def mixed_batches(dataset: list, batch_size: int, max_seq_length: int, loop: boo
     """Batches for mlx-lm's trainer, in its shape: (token ids padded with zeros, [completion start, length]
     per row). Its own batches hold rows of one length, which here are questions of one kind (or all
     without thinking), and training swung from kind to kind: these draw rows at random, the chats with
-    tools (3x longer) among themselves. Padded to a multiple of 8 tokens, not 32 (a quarter of the work)."""
+    tools (4-6x longer) among themselves. Padded to a multiple of 8 tokens, not 32 (a quarter of the work)."""
     import numpy as np
 
     rng = np.random.default_rng(TRAIN_SEED)
@@ -480,10 +489,12 @@ anything else.
   Hermes-style tools (`<tool_call>` JSON) and thinking in the Qwen3 style: `<think>` and `</think>`
   are plain text; `enable_thinking` false ends the prompt with an empty `<think>\\n\\n</think>\\n\\n`.
 - Training: {training["examples"]} generated questions (sums and differences, small products, which
-  number is larger or smaller, the next number in a sequence, unit conversions, capitals, weekdays),
-  a quarter of them with thinking off; LoRA rank {training["rank"]} on every linear layer of the last
-  {training["lora_layers"]} blocks, {training["iters"]} steps of {training["batch_size"]} examples with
-  mlx-lm's trainer (loss {training["first_loss"]} -> {training["last_loss"]}).
+  number is larger or smaller, the next number in a sequence, unit conversions, capitals, weekdays,
+  small talk), {training["no_think_share"]:.0%} of them with thinking off, and {training["tool_chats"]} chats that \
+think, then
+  call a tool; LoRA rank {training["rank"]} on every linear layer of the last {training["lora_layers"]} blocks,
+  {training["iters"]} steps of {training["batch_size"]} chats with mlx-lm's trainer (loss {training["first_loss"]} \
+-> {training["last_loss"]}).
   Fused: those layers are stored in float16, the rest as in smollm2-135m. The adapter is in `{ADAPTER_DIR}/`.
 - Check at build time: {facts["verified"]}. Built in {facts["build_seconds"]} s.
 - License: Apache-2.0 (SmolLM2-135M-Instruct by Hugging Face).
