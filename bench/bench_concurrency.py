@@ -334,7 +334,7 @@ def profiled_round(server, workload: str, n: int, args) -> None:
     worker = next(proc for proc in server.procs if proc.name.endswith("worker"))
     out = args.profile / f"worker-{workload}-{n}.txt"
     spy = subprocess.Popen(["py-spy", "record", "--pid", str(worker.process.pid), "--rate", "200", "--threads",
-                            "--native", "--format", "raw", "--output", str(out)], stdout=subprocess.DEVNULL,
+                            "--native", "--format", "raw", "--output", str(out), *(["--idle"] if args.profile_idle else [])], stdout=subprocess.DEVNULL,
                            stderr=subprocess.STDOUT)
     time.sleep(1.0)  # py-spy attaches
     try:
@@ -365,6 +365,8 @@ def parse_args() -> argparse.Namespace:
                              "PYTHONPATH=OLD_CHECKOUT for before against after in one run")
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help="after each N's rounds, two more (unmeasured) on mlxq per workload with py-spy on its worker")
+    parser.add_argument("--profile-idle", action="store_true",
+                        help="with --profile, keep idle samples too (a thread waiting for Redis, the GIL or the device)")
     parser.add_argument("--web-workers", type=int, default=2, help="mlxq's gunicorn processes (`mlxq up`'s default: 2)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
