@@ -64,6 +64,15 @@ class ModelRef:
 
 
 @dataclass(frozen=True)
+class AdapterRef:
+    """The LoRA adapter a request decodes with, as the web tier found it in the adapter store (jobs.adapters)."""
+
+    name: str
+    path: str  # the store entry's directory (adapters.safetensors + adapter_config.json)
+    base: str  # the store name of the model it was made for
+
+
+@dataclass(frozen=True)
 class TextRequest:
     """A chat (`messages`: one conversation, one choice) or a completion (`prompts`: one choice each)."""
 
@@ -79,6 +88,8 @@ class TextRequest:
     template_kwargs: dict | None = None  # extra chat template variables (chat_template_kwargs), JSON values
     enable_thinking: bool | None = None  # a reasoning model thinks first (None: as its template decides)
     thinking_budget: int | None = None  # the most reasoning tokens, markers included; then the block is closed
+    adapter: AdapterRef | None = None  # decode with this LoRA adapter applied (None: the model alone)
+    keep_alive: float | None = None  # seconds the model stays loaded once idle (negative: until evicted)
     kind: str = field(default="text", init=False)
 
     @property
@@ -129,6 +140,7 @@ class MultimodalRequest:
     n: int = 1
     is_async: bool = False
     request_id: str | None = None
+    keep_alive: float | None = None  # seconds the model stays loaded once idle (negative: until evicted)
     kind: str = field(default="multimodal", init=False)
 
     @property
@@ -137,7 +149,8 @@ class MultimodalRequest:
         return [self.messages]
 
 
-CONTROL_ACTIONS = ("load", "unload", "pin", "unpin")
+CONTROL_ACTIONS = ("load", "unload", "pin", "unpin", "mount", "unmount")
+"""mount / unmount: an adapter (ControlRequest.adapter) on its base model (ControlRequest.model)."""
 
 
 @dataclass(frozen=True)
@@ -147,6 +160,7 @@ class ControlRequest:
     id: str
     model: ModelRef
     action: str  # one of CONTROL_ACTIONS
+    adapter: AdapterRef | None = None  # the adapter of a mount or unmount
     is_async: bool = False
     request_id: str | None = None
     kind: str = field(default="control", init=False)
@@ -205,6 +219,8 @@ def parse(payload: dict) -> Request:
         values["model"] = ModelRef(**values["model"])
         if values.get("speech_model") is not None:
             values["speech_model"] = ModelRef(**values["speech_model"])
+        if values.get("adapter") is not None:
+            values["adapter"] = AdapterRef(**values["adapter"])
         if cls in (TextRequest, MultimodalRequest):
             sampling = dict(values.get("sampling") or {})
             sampling["stop"] = tuple(sampling.get("stop") or ())

@@ -46,7 +46,13 @@ AUDIO_SECONDS = Metric("mlxq_audio_seconds_transcribed_total", "counter", "Secon
                        ("model",))
 MODEL_LOAD = Metric("mlxq_model_load_seconds", "histogram", "Model loads (the count) and how long each took",
                     ("model",))
-METRICS = (QUEUE_WAIT, JOB_DURATION, TIME_TO_FIRST_TOKEN, GENERATED_TOKENS, AUDIO_SECONDS, MODEL_LOAD)
+PROMPT_CACHE_LOOKUPS = Metric("mlxq_prompt_cache_lookups_total", "counter",
+                              "Prompts looked up in a tier of the prompt cache (memory, disk), by result (hit, miss)",
+                              ("tier", "result"))
+PROMPT_CACHE_TOKENS = Metric("mlxq_prompt_cache_tokens_total", "counter",
+                             "Prompt tokens resumed from a tier of the prompt cache instead of processed", ("tier",))
+METRICS = (QUEUE_WAIT, JOB_DURATION, TIME_TO_FIRST_TOKEN, GENERATED_TOKENS, AUDIO_SECONDS, MODEL_LOAD,
+           PROMPT_CACHE_LOOKUPS, PROMPT_CACHE_TOKENS)
 
 WORKER_MEMORY = {
     "rss_bytes": ("mlxq_worker_resident_memory_bytes", "A worker process's resident memory (RSS)"),

@@ -21,6 +21,9 @@ class Settings:
     models_dir: Path = field(default_factory=lambda: _default_home() / "models")
     """The local model store: one MLX model directory per name."""
 
+    adapters_dir: Path = field(default_factory=lambda: _default_home() / "adapters")
+    """The local adapter store: one mlx_lm.lora adapter (adapters.safetensors + adapter_config.json) per name."""
+
     spool_dir: Path = field(default_factory=lambda: _default_home() / "spool")
     """Directory shared by web and worker where uploads are spooled (never into Redis)."""
 
@@ -87,6 +90,26 @@ class Settings:
     prompt_cache_mb: int = 512
     """Memory kept for the KV caches of finished requests, reused by later requests that start alike."""
 
+    prompt_cache_dir: str = ""
+    """Directory of the prompt cache's disk tier: kept KV caches of long prompts written to files, so they
+    survive a worker's restart; "" turns it off (the default of a bare worker; `mlxq up` gives its worker a
+    directory of its own instance). One worker per directory: another one finding it in use goes without."""
+
+    prompt_cache_disk_mb: int = 4096
+    """Disk space of the prompt cache's disk tier, in MiB (least recently used entries go first)."""
+
+    model_ttl_s: float = -1.0
+    """How long a model stays loaded once no request uses it, in seconds (a request's `keep_alive` sets its own):
+    -1 keeps it until the memory budget evicts it, 0 unloads it as soon as it is idle. Pinned models stay."""
+
+    kv_bits: int = 0
+    """Bits per element of the text models' KV caches: 8 or 4 quantize them (more sequences fit the memory
+    budget, at a small cost in quality: docs/performance.md), 0 keeps them in the model's dtype. A model's
+    `mlxq.json` may set its own (`kv_bits`, `kv_group_size`: docs/models.md)."""
+
+    kv_group_size: int = 64
+    """Elements of a quantized KV cache that share one scale and bias (32, 64 or 128)."""
+
     stream_interval_ms: int = 20
     """Least time between two streamed text events of a job; tokens generated meanwhile go out together
     (the first token and the last never wait). Fewer, larger events leave more time to generation."""
@@ -131,10 +154,13 @@ def _coerce(settings: Settings, name: str, value):
         return Path(value) if isinstance(current, Path) else value
     if isinstance(current, bool):
         return value.strip().lower() in ("1", "true", "yes", "on")
-    if isinstance(current, int):
-        return int(value)
-    if isinstance(current, float):
-        return float(value)
+    try:
+        if isinstance(current, int):
+            return int(value)
+        if isinstance(current, float):
+            return float(value)
+    except ValueError:
+        raise ValueError(f"MLXQ_{name.upper()}={value!r} is not a number") from None
     if isinstance(current, Path):
         return Path(value).expanduser()
     if isinstance(current, tuple):

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import sys
+from urllib.parse import urlsplit
 
 import click
 
 from jobs.settings import load_settings
+from mlxq.adapters_cli import adapters
 from mlxq.admin_cli import admin
 from mlxq.chat_cli import chat
 from mlxq.models_cli import models
@@ -42,11 +44,14 @@ def serve(host, port, workers):
 @click.option("--models", default=None, help="Serve only these models (comma-separated), from their own queues; "
               "several such workers, on one machine or many, share one Redis.")
 @click.option("--name", default=None, help="Worker name (default: mlxq-<host>-<pid>-<random>).")
-def worker(models, name):
+@click.option("--adapters", default=None, help="Mount these LoRA adapters (comma-separated names in the adapter "
+              "store) at start, each on its base model.")
+def worker(models, name, adapters):
     """Run the MLX worker (one process that owns the GPU and drains the queues)."""
     from workers.main import main as worker_main
 
-    argv = [*(["--models", models] if models else []), *(["--name", name] if name else [])]
+    argv = [*(["--models", models] if models else []), *(["--name", name] if name else []),
+            *(["--adapters", adapters] if adapters else [])]
     sys.exit(worker_main(argv))
 
 
@@ -81,11 +86,24 @@ def up(host, port, web_workers):
     stack = Stack(log=lambda line: click.echo(f"[mlxq up] {line}", err=True))
     redis_url = stack.ensure_redis(settings, settings.models_dir.parent / "redis")
     env = {"REDIS_URL": redis_url, "MLXQ_REDIS_URL": redis_url}
-    stack.start("worker", [sys.executable, "-m", "workers.main"], env)
+    worker_env = {**env, "MLXQ_PROMPT_CACHE_DIR": prompt_cache_dir(settings, redis_url)}
+    stack.start("worker", [sys.executable, "-m", "workers.main"], worker_env)
     stack.start("webhooks", webhook_worker_argv(redis_url), env)
     stack.start("web", gunicorn_argv(host, port, web_workers), env)
     click.echo(banner(f"http://{host}:{port}", redis_url, settings))
     sys.exit(stack.wait())
+
+
+def prompt_cache_dir(settings, redis_url: str) -> str:
+    """The worker's prompt-cache disk tier under `mlxq up`: MLXQ_PROMPT_CACHE_DIR where set ("" turns it off),
+    else this instance's own, beside its Redis data (<store>/../prompt-cache/<Redis port>-<db>): instances on
+    one machine have their own Redis ports, and one that shares another's Redis shares its jobs; a worker that
+    finds its directory in use by another goes without (workers/backends/prompt_disk.py)."""
+    if "MLXQ_PROMPT_CACHE_DIR" in os.environ:
+        return settings.prompt_cache_dir
+    parts = urlsplit(redis_url)
+    db = parts.path.strip("/") or "0"
+    return str(settings.models_dir.parent / "prompt-cache" / f"{parts.port or 6379}-{db}")
 
 
 def banner(base: str, redis_url: str, settings) -> str:
@@ -104,6 +122,7 @@ def banner(base: str, redis_url: str, settings) -> str:
 
 
 main.add_command(models)
+main.add_command(adapters)
 main.add_command(transcribe)
 main.add_command(chat)
 main.add_command(admin)

@@ -10,6 +10,7 @@ from werkzeug.exceptions import ClientDisconnected
 
 from jobs.settings import Settings, load_settings
 from web import (
+    adapters_api,
     admin_api,
     audio_api,
     health,
@@ -53,7 +54,8 @@ def create_app(settings: Settings | dict | None = None) -> Flask:
     register_metrics(app)
     register_error_handlers(app)
     api = MlxqApi(app, settings)
-    for module in (openai_api, responses_api, messages_api, models_api, health, audio_api, jobs_api, admin_api):
+    for module in (openai_api, responses_api, messages_api, models_api, health, audio_api, jobs_api, admin_api,
+                   adapters_api):
         api.register_blueprint(module.blp)
     app.register_blueprint(pages.bp)
     mount_dashboard(app, settings.redis_url)

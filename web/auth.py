@@ -79,8 +79,8 @@ def is_dashboard_path(path: str) -> bool:
 
 
 def is_admin_path(path: str) -> bool:
-    """Whether `path` is for operators only: the admin API and /metrics."""
-    return path == "/metrics" or path == "/v1/admin" or path.startswith("/v1/admin/")
+    """Whether `path` is for operators only: the admin API (and its adapters, /v1/adapters) and /metrics."""
+    return path in ("/metrics", "/v1/admin", "/v1/adapters") or path.startswith(("/v1/admin/", "/v1/adapters/"))
 
 
 def _identify(settings) -> Caller:

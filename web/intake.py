@@ -10,8 +10,10 @@ import logging
 from flask import g
 
 from jobs import queues
+from jobs.adapters import NO_ADAPTER, AdapterNotFound, adapter_entry, fits
 from jobs.contract import (
     DEFAULT_SPEECH_MODEL,
+    AdapterRef,
     ModelRef,
     MultimodalRequest,
     Sampling,
@@ -54,6 +56,21 @@ def resolve_model(ref: str | None, kind: str | tuple[str, ...]) -> ModelInfo:
 def model_ref(info: ModelInfo) -> ModelRef:
     """What the worker needs of a catalog entry."""
     return ModelRef(info.id, str(info.path), info.kind, info.context_length, info.vocab_size)
+
+
+def adapter_ref(name: str | None, info: ModelInfo) -> AdapterRef | None:
+    """The request's `adapter` in the adapter store (None: left out or "none"); 400 naming the field when there is
+    no such adapter, or it was made for another model."""
+    if name is None or name == NO_ADAPTER:
+        return None
+    settings = services().settings
+    entry = adapter_entry(settings, name)
+    if entry is None:
+        raise APIError(400, AdapterNotFound(name).public_message, "adapter_not_found", "adapter")
+    if not fits(settings, entry, info):
+        raise APIError(400, f"Adapter '{name}' was made for model '{entry.base}', not '{info.id}' (GET /v1/models "
+                            "lists each model's adapters).", "invalid_adapter", "adapter")
+    return AdapterRef(entry.name, str(entry.path), entry.base)
 
 
 def sampling(body: dict, info: ModelInfo, grammar: str | None = None) -> Sampling:
@@ -142,10 +159,15 @@ def chat_request(body: dict, job_id: str, is_async: bool = False) -> TextRequest
     if tools.tools and kinds:
         raise APIError(400, "Tools cannot be combined with image or audio parts yet.", "invalid_value", "tools")
     think = thinking(body, info)
+    adapter = adapter_ref(body.get("adapter"), info)
     common = {"sampling": sampling(body, info, tools.grammar), "n": body["n"] or 1, "is_async": is_async,
-              "request_id": g.request_id}
+              "request_id": g.request_id, "keep_alive": body.get("keep_alive")}
     if not kinds and info.kind == "text":
-        return TextRequest(job_id, model_ref(info), messages=messages, tools=tools.tools, **think, **common)
+        return TextRequest(job_id, model_ref(info), messages=messages, tools=tools.tools, adapter=adapter, **think,
+                           **common)
+    if adapter is not None:
+        raise APIError(400, "'adapter' is not served for chats with images or audio, or on a vision model, yet.",
+                       "invalid_value", "adapter")
     if think["template_kwargs"] or think["enable_thinking"] or think["thinking_budget"] is not None:
         asked = next(name for name in THINKING_FIELDS if body.get(name) not in (None, False, "none"))
         raise APIError(400, f"'{asked}' is not served for chats with images or audio, or on a vision model, yet.",
@@ -282,7 +304,8 @@ def completion_request(body: dict, job_id: str) -> TextRequest:
     if len(prompts) * n > MAX_CHOICES:
         raise APIError(400, f"{len(prompts)} prompts with n={n} ask for {len(prompts) * n} choices; at most "
                             f"{MAX_CHOICES} per request.", "invalid_value", "n")
-    return TextRequest(job_id, model_ref(info), sampling(body, info), prompts=prompts, n=n, request_id=g.request_id)
+    return TextRequest(job_id, model_ref(info), sampling(body, info), prompts=prompts, n=n, request_id=g.request_id,
+                       adapter=adapter_ref(body.get("adapter"), info), keep_alive=body.get("keep_alive"))
 
 
 def transcription_request(form: dict, job_id: str, is_async: bool, task: str = "transcribe"

@@ -17,7 +17,7 @@ from web.jsonbody import Blueprint
 from web.media_parts import accepts_media_parts
 from web.render.anthropic import Message
 from web.response_schemas import SSE, AnyObjectSchema, ServerSentEventSchema
-from web.schemas import NotYet, load_chat
+from web.schemas import NotYet, adapter_field, keep_alive_field, load_chat
 
 blp = Blueprint("messages", __name__, url_prefix="/v1/messages", description="Anthropic's Messages API")
 
@@ -47,6 +47,8 @@ class MessagesRequestSchema(Schema):
     tools = fields.Raw(load_default=None, allow_none=True)  # checked by web/messages_tools.py, naming the field
     tool_choice = fields.Raw(load_default=None, allow_none=True)
     thinking = fields.Raw(load_default=None, allow_none=True)  # checked by _thinking_in, naming the field
+    adapter = adapter_field()  # mlxq's own, as on chat
+    keep_alive = keep_alive_field()  # Ollama's, as on chat
     # Anthropic's fields that would change the answer and that mlxq does not serve.
     container = NotYet("run code containers", passes=())
     mcp_servers = NotYet("call MCP servers", passes=([],))
@@ -83,7 +85,8 @@ def _as_chat(body: dict) -> dict:
     chat = load_chat({"model": body["model"], "messages": messages, "max_tokens": body["max_tokens"],
                       "temperature": body["temperature"], "top_p": body["top_p"], "top_k": body["top_k"],
                       "stop": body["stop_sequences"][:4] if body["stop_sequences"] else None,
-                      "parallel_tool_calls": parallel, **_thinking_in(body["thinking"], body["max_tokens"])},
+                      "parallel_tool_calls": parallel, "adapter": body["adapter"], "keep_alive": body["keep_alive"],
+                      **_thinking_in(body["thinking"], body["max_tokens"])},
                      {"stop": "stop_sequences", "thinking_budget": "thinking.budget_tokens",
                       "enable_thinking": "thinking"})
     # Already checked, in Messages' terms: intake takes them as they are (load_chat would drop them).

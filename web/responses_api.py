@@ -18,7 +18,15 @@ from web.jsonbody import Blueprint
 from web.media_parts import accepts_media_parts
 from web.render.responses import Responses, echo, from_record
 from web.response_schemas import SSE, AnyObjectSchema, ServerSentEventSchema
-from web.schemas import PENALTY_FIELDS, REASONING_EFFORTS, NotYet, PenaltiesSchema, load_chat
+from web.schemas import (
+    PENALTY_FIELDS,
+    REASONING_EFFORTS,
+    NotYet,
+    PenaltiesSchema,
+    adapter_field,
+    keep_alive_field,
+    load_chat,
+)
 from web.services import services
 
 blp = Blueprint("responses", __name__, url_prefix="/v1/responses", description="OpenAI's Responses API")
@@ -71,6 +79,8 @@ class ResponsesRequestSchema(PenaltiesSchema):
     tool_choice = fields.Raw(load_default=None, allow_none=True)
     parallel_tool_calls = fields.Boolean(load_default=True, allow_none=True)
     reasoning = fields.Nested(ReasoningSchema, load_default=None, allow_none=True)
+    adapter = adapter_field()  # mlxq's own, as on chat
+    keep_alive = keep_alive_field()  # Ollama's, as on chat
     # OpenAI's Responses fields that would change the answer and that mlxq does not serve.
     conversation = NotYet("keep conversations objects; continue with `previous_response_id`", passes=())
     include = NotYet("add included outputs to a response", passes=([],))
@@ -191,7 +201,8 @@ def _as_chat(body: dict, messages: list[dict]) -> dict:
     chat = load_chat({"model": body["model"], "messages": messages, "max_tokens": body["max_output_tokens"],
                       "temperature": body["temperature"], "top_p": body["top_p"],
                       "response_format": response_format,
-                      "reasoning_effort": (body.get("reasoning") or {}).get("effort")}, CHAT_FIELDS)
+                      "reasoning_effort": (body.get("reasoning") or {}).get("effort"),
+                      "adapter": body["adapter"], "keep_alive": body["keep_alive"]}, CHAT_FIELDS)
     # Checked already (tools here, the penalties by the schema, whose logit_bias keys are ints now, which
     # chat's schema cannot load again): added after loading, under chat's names, which are the same.
     return {**chat, **tools.chat_fields(body), **{name: body[name] for name in PENALTY_FIELDS}}

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 
 from marshmallow import EXCLUDE, Schema, ValidationError, fields, validate, validates_schema
 
@@ -234,6 +236,50 @@ PENALTY_FIELDS = ("presence_penalty", "frequency_penalty", "logit_bias")
 """PenaltiesSchema's fields."""
 
 
+class KeepAlive(fields.Field):
+    """Ollama's `keep_alive`: how long the model stays loaded after this request, as seconds (a number) or a
+    duration ("30s", "5m", "1h30m", "500ms"); negative: until the memory budget evicts it; 0: unload once idle.
+    Loads as seconds (-1.0 for any negative)."""
+
+    UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+    PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h)")
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ValidationError('must be a number of seconds or a duration such as "5m" or "1h30m"')
+        if isinstance(value, str):
+            text = value.strip()
+            sign, text = (-1.0, text[1:]) if text.startswith("-") else (1.0, text)
+            parts = self.PART.findall(text)
+            if parts and "".join(n + u for n, u in parts) == text:
+                value = sign * sum(float(n) * self.UNITS[u] for n, u in parts)
+            else:
+                try:
+                    value = sign * float(text)
+                except ValueError:
+                    raise ValidationError('must be a number of seconds or a duration such as "5m" or "1h30m"') from None
+        if not math.isfinite(value):
+            raise ValidationError("must be finite")
+        return -1.0 if value < 0 else float(value)
+
+
+def keep_alive_field() -> KeepAlive:
+    """`keep_alive`: how long the request's model stays loaded once idle (Ollama's field)."""
+    return KeepAlive(load_default=None, allow_none=True, metadata={
+        "oneOf": [{"type": "number"}, {"type": "string"}],
+        "description": "How long the model stays loaded after this request once no request uses it: seconds, or "
+                       "a duration such as \"5m\" or \"1h30m\" (Ollama's field); negative keeps it until the "
+                       "memory budget evicts it, 0 unloads it as soon as it is idle. Left out: the worker's "
+                       "MLXQ_MODEL_TTL_S, or what the model's latest request asked"})
+
+
+def adapter_field() -> fields.String:
+    """`adapter`: the LoRA adapter to decode with (one of the model's in GET /v1/models), or "none"."""
+    return fields.String(load_default=None, allow_none=True, validate=validate.Length(min=1, max=128),
+                         metadata={"description": "A LoRA adapter of the model (GET /v1/models lists each model's "
+                                   "`adapters`) to decode with; \"none\" or left out: the model alone"})
+
+
 class SamplingSchema(PenaltiesSchema):
     """Fields shared by chat and text completions."""
 
@@ -263,6 +309,8 @@ class SamplingSchema(PenaltiesSchema):
     stream_options = fields.Nested(StreamOptionsSchema, load_default=None, allow_none=True)
     user = fields.String(load_default=None, allow_none=True)
     n = fields.Integer(strict=True, load_default=1, validate=validate.Range(min=1, max=MAX_N), allow_none=True)
+    adapter = adapter_field()
+    keep_alive = keep_alive_field()
 
 
 class ChatMessageSchema(Schema):
@@ -381,6 +429,8 @@ class ModelSchema(Schema):
     source = fields.String()
     sampling_defaults = fields.Dict(metadata={"description": "What a request that leaves a sampling field out "
                                               "gets: the model's generation_config.json value, else mlxq's"})
+    adapters = fields.List(fields.String(), metadata={"description": "The LoRA adapters made for this model, by "
+                                                     "name: what a request's `adapter` may name"})
 
 
 class ModelListSchema(Schema):

@@ -22,7 +22,7 @@ import uuid
 
 import redis
 
-from jobs import keys, workers
+from jobs import keys, kv_quant, workers
 from jobs.connection import get_redis
 from jobs.errors import JobError
 from jobs.lifecycle import liveness_value
@@ -56,6 +56,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--models", default=None,
                         help="serve only these models (comma-separated ids or aliases), from their own queues; "
                              "default: any model, from the shared queues")
+    parser.add_argument("--adapters", default=None,
+                        help="mount these LoRA adapters (comma-separated names in the adapter store) at start")
     return parser.parse_args(argv)
 
 
@@ -89,14 +91,18 @@ def build_scheduler(settings: Settings, name: str, info: platform.PlatformInfo |
     budget = memory_budget_bytes(settings.memory_budget_mb, info.backend)
     try:
         cache = memory.cache_limit_bytes(settings.cache_limit_mb, budget, info.backend)
+        kv = kv_quant.of_settings(settings)
     except ValueError as exc:
         raise SystemExit(f"mlxq worker: {exc}") from None
+    if kv is not None:
+        log.info("text models' KV caches: %s", kv)
     memory.limit_cache(cache)
     backends = default_backends()
     loaders = {backend.model_kind: backend.load for backend in backends.values() if backend.model_kind}
     conn = get_redis(settings.redis_url, patient=True)
     models = ModelManager(budget, info, loaders, cache_bytes=cache,
                           on_load=lambda resident: worker_metrics.model_loaded(conn, resident))
+    models.ttl_s = settings.model_ttl_s
     return Scheduler(conn, settings, models, backends, name, burst=burst,
                      max_batch=settings.max_batch or default_max_batch(info.backend),
                      queue_names=worker_queue_names(serves), serves=serves)
@@ -113,11 +119,31 @@ def warm_models(scheduler, settings: Settings) -> None:
     for ref in scheduler.serves or [settings.default_model]:
         try:
             resident = scheduler.models.load(resolve(ref, settings))
-        except (ModelNotFound, JobError) as exc:
+            kv_quant.for_model(resident.info.path, settings)  # a bad mlxq.json kv_bits is told now, not at a request
+        except (ModelNotFound, JobError, ValueError) as exc:
             # The worker can still serve other models; requests for this one get the same error.
             log.warning("model %s not warmed: %s", ref, exc)
             continue
         log.info("warmed %s in %.2fs", resident.info.id, resident.load_s)
+
+
+def mount_adapters(scheduler, settings: Settings, spec: str | None) -> None:
+    """Apply the `--adapters` to their base models now (loading them); exits naming an adapter the store does not
+    have, warns for one that cannot be applied (its requests get the same error)."""
+    from jobs.adapters import adapter_entry
+    from jobs.contract import AdapterRef
+
+    for name in (part.strip() for part in (spec or "").split(",") if part.strip()):
+        entry = adapter_entry(settings, name)
+        if entry is None:
+            raise SystemExit(f"mlxq worker --adapters: adapter {name!r} is not in the adapter store "
+                             f"({settings.adapters_dir})")
+        try:
+            scheduler.models.mount(resolve(entry.base, settings), AdapterRef(entry.name, str(entry.path), entry.base))
+        except (ModelNotFound, JobError) as exc:
+            log.warning("adapter %s not mounted: %s", name, exc)
+            continue
+        log.info("mounted adapter %s on %s", name, entry.base)
 
 
 BEAT_RETRY_S = 0.1
@@ -143,6 +169,8 @@ class Heartbeat:
         self.started_at = int(time.time())
         self.device = getattr(getattr(scheduler.models, "platform", None), "backend", None)
         self.idle_release = memory.IdleRelease()  # freed memory goes back when the work is done
+        kv = kv_quant.of_settings(settings)  # the worker's own (a model's mlxq.json may set another)
+        self.kv_quantization = {"bits": kv.bits, "group_size": kv.group_size} if kv else None
 
     def start(self) -> "Heartbeat":
         """Beat once now, then every settings.worker_heartbeat_s."""
@@ -178,8 +206,10 @@ class Heartbeat:
         return {"host": socket.gethostname(), "pid": os.getpid(), "started_at": self.started_at,
                 "serves": self.scheduler.serves, "queues": list(self.scheduler.queues),
                 "device": self.device, "budget_bytes": models.budget_bytes,
-                "used_bytes": models.cache_bytes + sum(m["bytes"] for m in models.snapshot),
+                "used_bytes": models.cache_bytes + sum(m["bytes"] + sum(a["bytes"] for a in m.get("adapters", ()))
+                                                       for m in models.snapshot),
                 "cache_limit_bytes": models.cache_bytes, "memory": memory.figures(),
+                "kv_quantization": self.kv_quantization,
                 "models": public_models(models.snapshot),
                 "jobs": [{"id": t.run.job_id, "kind": getattr(t.request, "kind", None), "queue": t.lane,
                           "model": getattr(getattr(t.request, "model", None), "id", None),
@@ -241,7 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     configure_logging()
-    settings = load_settings()
+    try:
+        settings = load_settings()
+    except ValueError as exc:  # a setting that is not a number: said plainly, not as a traceback
+        raise SystemExit(f"mlxq worker: {exc}") from None
     info = apply_platform_choice(argv)
     process_setup.fix_mmap_threshold(info.backend)
     name = args.name or f"mlxq-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -249,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                                 serves=dedicated_models(args.models, settings))
     recover(scheduler.conn, settings, name)
     warm_models(scheduler, settings)
+    mount_adapters(scheduler, settings, args.adapters)
     heartbeat = Heartbeat(scheduler, settings).start()
     log.info("worker %s on queues %s | backend %s | BLAS %s | model budget %.0f MiB | float32 up to %.0f MiB",
              name, ",".join(scheduler.queues), info.backend, info.blas.describe(),

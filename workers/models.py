@@ -1,5 +1,7 @@
 """The model manager: models loaded once, kept between requests, evicted least-recently-used within a
 memory budget, loaded and unloaded explicitly too (the admin API will drive it through control jobs).
+LoRA adapters are applied to resident models here too (workers/adapters.py: a model object of their own that
+shares the base's weights): counted in the budget, kept while their base is resident, dropped with it.
 
 Only the scheduler's thread (the worker's main thread, which owns MLX) touches it, so it needs no lock.
 """
@@ -44,6 +46,13 @@ class Resident:
     nbytes: int
     float32: bool
     load_s: float
+    adapter: str | None = None  # the LoRA adapter applied to `model` (its nbytes: the adapter's own arrays only)
+
+
+def batch_key(path, adapter: str | None = None) -> str:
+    """The key of a model's text batch and of its kept prompt caches: the model's directory, and the adapter
+    applied, if any (requests with different adapters never share a batch or a cached prefix)."""
+    return str(path) if adapter is None else f"{path}#adapter:{adapter}"
 
 
 @dataclass(frozen=True)
@@ -157,22 +166,78 @@ class ModelManager:
         self._models: OrderedDict[str, Resident] = OrderedDict()  # least recently used first
         self.pinned: set[str] = set()  # directories an operator pinned: never evicted
         self.in_use: Callable[[], set[str]] = set  # directories requests are using now (the scheduler's)
+        self.adapters_in_use: Callable[[], set[tuple[str, str]]] = set  # (directory, adapter) of running requests
+        self._adapted: dict[tuple[str, str], Resident] = {}  # (base directory, adapter name): the adapted models
+        self.ttl_s = -1.0  # how long an idle model stays (MLXQ_MODEL_TTL_S; -1: until evicted)
+        self._keep_s: dict[str, float] = {}  # a model's own, from its latest request's keep_alive
+        self._last_used: dict[str, float] = {}  # when a request last used each resident model (monotonic)
         self.snapshot: list[dict] = []  # list(), rebuilt on every change: what other threads may read
 
-    def get(self, info, pinned: frozenset | set = frozenset()) -> Resident:
-        """Return the model resident, loading it (and evicting others, never a `pinned` one) if needed.
+    def get(self, info, pinned: frozenset | set = frozenset(), adapter=None) -> Resident:
+        """Return the model resident, loading it (and evicting others, never a `pinned` one) if needed; with an
+        `adapter` (a jobs.contract.AdapterRef), the model with that adapter applied.
 
         `pinned`: the directories of models in use (a batch decoding on them).
         """
         key = str(Path(info.path).resolve())
+        self._last_used[key] = time.monotonic()
         if key in self._models:
             self._models.move_to_end(key)
-            return self._models[key]
-        resident = self._load(info, {str(Path(p).resolve()) for p in pinned} | self.pinned)
-        self._models[key] = resident
+            resident = self._models[key]
+        else:
+            resident = self._load(info, {str(Path(p).resolve()) for p in pinned} | self.pinned)
+            self._models[key] = resident
+            self._changed()
+            self.on_load(resident)
+        return resident if adapter is None else self._adapted_model(key, resident, adapter, pinned)
+
+    def _adapted_model(self, key: str, resident: Resident, adapter, pinned) -> Resident:
+        """The resident model with `adapter` applied, applying it now (making room for it) if it is not yet."""
+        if (key, adapter.name) in self._adapted:
+            return self._adapted[(key, adapter.name)]
+        weights = Path(adapter.path) / "adapters.safetensors"
+        if not weights.is_file():  # removed from the store since the request was made
+            raise JobError(f"Adapter {adapter.name!r} is not in the server's adapter store any more.", status=404,
+                           code="adapter_not_found", param="adapter")
+        self._make_room(weights.stat().st_size, {str(Path(p).resolve()) for p in pinned} | self.pinned | {key})
+        from workers.adapters import apply
+
+        try:
+            adapted = apply(adapter.name, resident.model, adapter.path)
+        except (ValueError, KeyError) as exc:  # mlx-lm's checks: checked at import, so the store was edited since
+            raise JobError(f"Adapter {adapter.name!r} does not fit model {resident.info.id!r}: {exc}", status=400,
+                           code="invalid_adapter", param="adapter") from None
+        entry = Resident(resident.info, adapted.model, resident.processor, adapted.nbytes, resident.float32,
+                         adapted.load_s, adapter=adapter.name)
+        self._adapted[(key, adapter.name)] = entry
         self._changed()
-        self.on_load(resident)
-        return resident
+        return entry
+
+    def mount(self, info, adapter) -> bool:
+        """Apply an adapter to its base model now (loading the model if needed); True if it was not applied."""
+        was = (str(Path(info.path).resolve()), adapter.name) in self._adapted
+        self.get(info, adapter=adapter)
+        return not was
+
+    def unmount(self, model_path: str | Path, name: str) -> bool:
+        """Drop an adapter applied to a model; True if it was applied. One that requests are using now stays
+        (JobError 409)."""
+        key = str(Path(model_path).resolve())
+        if (key, name) in {(str(Path(p).resolve()), n) for p, n in self.adapters_in_use()}:
+            raise JobError(f"adapter {name!r} is in use by requests running now; unmount it when they are done",
+                           status=409, code="adapter_in_use", param="adapter")
+        dropped = self._adapted.pop((key, name), None)
+        self._changed()
+        if dropped is None:
+            return False
+        del dropped
+        _free_memory()
+        return True
+
+    def _drop_adapters(self, key: str) -> None:
+        """Forget the adapters applied to a model that leaves (they hold its weights)."""
+        for pair in [pair for pair in self._adapted if pair[0] == key]:
+            del self._adapted[pair]
 
     def load(self, info) -> Resident:
         """Load a model now (or keep it resident), evicting others as the budget needs."""
@@ -215,10 +280,39 @@ class ModelManager:
                 raise JobError("the worker's memory is taken by models in use; retry when they are done",
                                status=503, code="worker_busy")
             victim = self._models.pop(victims[0])
+            self._keep_s.pop(victims[0], None)
+            self._last_used.pop(victims[0], None)
+            self._drop_adapters(victims[0])
             log.info("evicting %s (%.0f MiB) to make room", victim.info.id, victim.nbytes / 2**20)
             del victim
             self._changed()
             _free_memory()
+
+    def keep_alive(self, model_path: str | Path, seconds: float) -> None:
+        """How long this model stays once idle, from now on (a request's keep_alive: the latest one wins, as in
+        Ollama; negative: until evicted)."""
+        key = str(Path(model_path).resolve())
+        if self._keep_s.get(key) != seconds:
+            self._keep_s[key] = seconds
+            self._changed()
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Unload the models idle for longer than their keep-alive (never a pinned one or one in use); their ids."""
+        now = time.monotonic() if now is None else now
+        busy = {str(Path(p).resolve()) for p in self.in_use()}
+        gone = []
+        for key in list(self._models):
+            if key in busy:
+                self._last_used[key] = now
+                continue
+            ttl = self._keep_s.get(key, self.ttl_s)
+            if key in self.pinned or ttl < 0 or now - self._last_used.get(key, now) < ttl:
+                continue
+            gone.append(self._models[key].info.id)
+            log.info("unloading %s: idle for %.0f s, its keep-alive is %g s", gone[-1],
+                     now - self._last_used.get(key, now), ttl)
+            self.unload(key)
+        return gone
 
     def unload(self, model_path: str | Path) -> bool:
         """Drop a resident model (by directory) and its pin; True if it was loaded. A model that requests
@@ -229,6 +323,9 @@ class ModelManager:
                            status=409, code="model_in_use", param="model")
         self.pinned.discard(key)
         victim = self._models.pop(key, None)
+        self._keep_s.pop(key, None)
+        self._last_used.pop(key, None)
+        self._drop_adapters(key)
         self._changed()
         if victim is None:
             return False
@@ -268,12 +365,17 @@ class ModelManager:
 
     def used_bytes(self) -> int:
         """Bytes of the budget taken: resident models and MLX's buffer cache (its limit)."""
-        return self.cache_bytes + sum(r.nbytes for r in self._models.values())
+        return (self.cache_bytes + sum(r.nbytes for r in self._models.values())
+                + sum(r.nbytes for r in self._adapted.values()))
 
     def list(self) -> list[dict]:
         """Resident models, least recently used first (for logs and admin views)."""
         return [{"id": r.info.id, "path": str(r.info.path), "bytes": r.nbytes, "float32": r.float32,
-                 "load_s": round(r.load_s, 3), "pinned": key in self.pinned} for key, r in self._models.items()]
+                 "load_s": round(r.load_s, 3), "pinned": key in self.pinned,
+                 "keep_alive_s": self._keep_s.get(key, self.ttl_s),
+                 "adapters": [{"name": a.adapter, "bytes": a.nbytes, "load_s": round(a.load_s, 3)}
+                              for (base, _), a in self._adapted.items() if base == key]}
+                for key, r in self._models.items()]
 
 
 def _free_memory() -> None:

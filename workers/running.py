@@ -37,6 +37,7 @@ class Task:
     gen: Iterator[Outcome | None] | None = None  # a solo task's run, in pieces
     used_s: float = 0.0  # time spent running a solo task's pieces (pauses don't count)
     waited_s: float | None = None  # time in its queue before it started
+    cache_lookups: list = field(default_factory=list)  # its prompts' prompt-cache lookups: (tier, hit, tokens)
 
 
 def tell(task: Task, result: Outcome | BaseException) -> dict | None:

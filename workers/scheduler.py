@@ -33,14 +33,18 @@ from jobs.lifecycle import JobRun
 from jobs.settings import Settings
 from workers import rqjobs, worker_metrics
 from workers.admission import Admission
+from workers.backends import prompt_disk
 from workers.backends.base import Outcome
 from workers.backends.prompt_cache import PromptCache
 from workers.backends.textbatch import TextBatch, batchable
+from workers.models import batch_key
 from workers.running import Task, hand_back, record, resumable, tell
 
 log = logging.getLogger(__name__)
 
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+EXPIRY_EVERY_S = 1.0
+"""How often the scheduler looks for models idle past their keep-alive (MLXQ_MODEL_TTL_S, a request's keep_alive)."""
 
 
 class Scheduler:
@@ -55,11 +59,14 @@ class Scheduler:
         self.text: dict[str, TextBatch] = {}
         self.solo: dict[str, Task | None] = {queues.INTERACTIVE: None, queues.BATCH: None}
         self.prompt_cache = PromptCache(max_size=64, max_bytes=settings.prompt_cache_mb * 2**20)
+        self.prompt_disk = prompt_disk.open_tier(settings)  # its disk tier (None: off, or another worker's)
         self.admission = Admission(self, conn, list(self.queues.values()), burst)
         self.stopping = self.cold = False
+        self._next_expiry = 0.0
         self._lock = threading.Lock()
         self._running: set[Task] = set()  # every task from its start to its end
         models.in_use = self._models_in_use  # the model manager never unloads these (admin unload)
+        models.adapters_in_use = self._adapters_in_use  # nor unmounts these
 
     def active(self) -> list[Task]:
         """The tasks in progress (the heartbeat thread reads them too)."""
@@ -67,7 +74,7 @@ class Scheduler:
             return list(self._running)
 
     def batches(self) -> list[TextBatch]:
-        """The text batches, one per model."""
+        """The text batches, one per model and adapter."""
         return list(self.text.values())
 
     def solo_in(self, lane: str) -> Task | None:
@@ -86,13 +93,26 @@ class Scheduler:
                 if self.cold:
                     return self._end_all(WorkerShutdown("the worker shut down while running this job"))
                 if not self.step() and (self.stopping or self.burst):
-                    return
+                    return self._close_prompt_disk()
             except REDIS_DOWN as exc:
                 self._ride_out_redis(exc)
+
+    def _close_prompt_disk(self) -> None:
+        """At a warm stop (or the end of a burst), write the prompt cache's entries that are not on disk yet (a
+        cold stop does not wait for that)."""
+        if self.prompt_disk is not None:
+            self.prompt_disk.flush(self.prompt_cache)
+            if self.stopping:
+                self.prompt_disk.close()
+                self.prompt_disk = None
 
     def step(self) -> bool:
         """Take jobs that can start, then run one piece of work; False if there was nothing to do."""
         took = not self.stopping and self.admission.admit()
+        now = time.monotonic()
+        if now >= self._next_expiry:  # models idle past their keep-alive go (a look a second is plenty)
+            self._next_expiry = now + EXPIRY_EVERY_S
+            self.models.expire(now)
         unit = self.admission.pick()
         if unit is None:
             return took
@@ -106,7 +126,13 @@ class Scheduler:
         """Directories of the models that running requests use (batches and solo tasks)."""
         solo = {str(t.request.model.path) for t in self.solo.values() if t is not None and t.request is not None
                 and t.request.kind != "control"}
-        return set(self.text) | solo
+        return {str(batch.resident.info.path) for batch in self.text.values()} | solo
+
+    def _adapters_in_use(self) -> set[tuple[str, str]]:
+        """(model directory, adapter) of the adapters that running requests decode with."""
+        solo = {(str(t.request.model.path), t.request.adapter.name) for t in self.solo.values()
+                if t is not None and t.request is not None and t.request.kind == "text" and t.request.adapter}
+        return {(str(b.resident.info.path), b.resident.adapter) for b in self.text.values() if b.resident.adapter} | solo
 
     # --- starting jobs ---------------------------------------------------------------------------
 
@@ -129,6 +155,8 @@ class Scheduler:
                 raise InvalidRequest(f"model {model.id!r} is a {model.kind} model; this endpoint needs a "
                                      f"{' or '.join(sorted(kinds))} model", code="invalid_model", param="model")
             run.start(attempts=getattr(task.request, "attempts", 1))
+            if getattr(task.request, "keep_alive", None) is not None:  # Ollama's: the latest request's sets it
+                self.models.keep_alive(model.path, task.request.keep_alive)
             batch = self._batch_for(task.request) if task.request.kind == "text" else None
             if batch is not None:
                 batch.add(task)
@@ -141,14 +169,17 @@ class Scheduler:
         log.info("%s: started %s (%s)", queue.name, job.id, job.description)
 
     def _batch_for(self, request: contract.TextRequest) -> TextBatch | None:
-        """The batch of the request's model, made when its first request comes (None: it cannot batch)."""
-        key = str(request.model.path)
+        """The batch of the request's model and adapter, made when its first request comes (None: it cannot
+        batch). Requests with another adapter, or none, decode in batches of their own."""
+        key = batch_key(request.model.path, request.adapter.name if request.adapter else None)
         if key not in self.text:
-            resident = self.models.get(request.model, pinned=set(self.text))
+            resident = self.models.get(request.model, pinned={str(b.resident.info.path) for b in self.text.values()},
+                                       adapter=request.adapter)
             if not batchable(resident.model):
                 return None
             with self._lock:
-                self.text[key] = TextBatch(resident, self.settings, self.prompt_cache, self.max_batch, self.models)
+                self.text[key] = TextBatch(resident, self.settings, self.prompt_cache, self.max_batch, self.models,
+                                           self.prompt_disk)
         return self.text[key]
 
     def _set_solo(self, lane: str, task: Task) -> None:

@@ -40,6 +40,10 @@ def job_ended(conn: redis.Redis, task, done: dict | None, error: BaseException |
         if enqueued is not None:
             first = task.run.first_output_at or time.time()  # an answer with no delta before it: now
             samples.append((metrics.TIME_TO_FIRST_TOKEN, (model,), max(0.0, first - enqueued)))
+        for tier, hit, tokens in getattr(task, "cache_lookups", ()):
+            samples.append((metrics.PROMPT_CACHE_LOOKUPS, (tier, "hit" if hit else "miss"), 1))
+            if hit:
+                samples.append((metrics.PROMPT_CACHE_TOKENS, (tier,), tokens))
     elif done is not None and kind == "transcription":
         samples.append((metrics.AUDIO_SECONDS, (model,), float((done.get("result") or {}).get("duration") or 0)))
     metrics.record(conn, samples)

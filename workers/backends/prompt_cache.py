@@ -6,7 +6,9 @@ one), it copies all of that entry to keep a few dozen tokens: 38 ms on this CPU 
 4,000-token entry of the demo model, on the MLX thread, while everyone waits. Here an entry of plain
 KV caches is handed out as views of its first tokens: the first new token written makes the
 request's own buffer (KVCache grows by concatenation), so the entry is never written and only the
-part reused is ever copied. Other cache kinds go through mlx-lm's own path.
+part reused is ever copied. Quantized KV caches (workers/backends/quantized_kv.py) grow the same way,
+each of their packed integers, scales and biases a view of the entry's; other cache kinds go through
+mlx-lm's own path.
 
 Finding the entry is a walk down mlx-lm's token trie, as long as the prompt: mlx-lm's own search
 looks for the shortest longer entry with a copy of the path at every node (11 ms here for one kept
@@ -17,7 +19,10 @@ entry holds the shared start, so the first one found serves.
 
 from __future__ import annotations
 
+from mlx.utils import tree_map
 from mlx_lm.models.cache import KVCache, LRUPromptCache
+
+from workers.backends.quantized_kv import QuantizedCache
 
 
 class PromptCache(LRUPromptCache):
@@ -47,15 +52,19 @@ class PromptCache(LRUPromptCache):
         else:
             return None, tokens
         entry = self._trie.get(model, path).prompt_cache
-        if not all(type(c) is KVCache for c in entry):
+        if not all(type(c) in (KVCache, QuantizedCache) for c in entry):
             return super().fetch_nearest_cache(model, tokens)
         return [_prefix(c, length) for c in entry], tokens[length:]
 
 
-def _prefix(cache: KVCache, length: int) -> KVCache:
+def _prefix(cache: KVCache | QuantizedCache, length: int) -> KVCache | QuantizedCache:
     """A cache holding the first `length` tokens of `cache`, sharing its buffers."""
-    view = KVCache()
-    view.keys = cache.keys[..., :length, :]
-    view.values = cache.values[..., :length, :]
+    if type(cache) is QuantizedCache:
+        view = QuantizedCache(group_size=cache.group_size, bits=cache.bits)
+        view.keys, view.values = tree_map(lambda x: x[..., :length, :], (tuple(cache.keys), tuple(cache.values)))
+    else:
+        view = KVCache()
+        view.keys = cache.keys[..., :length, :]
+        view.values = cache.values[..., :length, :]
     view.offset = length
     return view

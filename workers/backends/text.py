@@ -15,7 +15,7 @@ from pathlib import Path
 
 from jobs.contract import Choice, TextRequest, TextResult
 from jobs.events import DELTA, REASONING
-from workers.backends import reasoning, textgen, toolcalls
+from workers.backends import quantized_kv, reasoning, textgen, toolcalls
 from workers.backends.base import Outcome
 from workers.backends.reasoning import Thoughts
 from workers.backends.toolcalls import ToolCalls
@@ -33,9 +33,10 @@ class TextBackend:
 
     def run(self, request: TextRequest, job, models) -> Iterator[Outcome | None]:
         """Generate one choice per input, publishing deltas; end with the usage-counted answer."""
-        resident = models.get(request.model)
+        resident = models.get(request.model, adapter=request.adapter)
         tokenizer = resident.processor
         vocab = textgen.output_size(resident.model, tokenizer)
+        kv = quantized_kv.for_model(resident.model, request.model.path, job.settings)
         thinking: dict[int, reasoning.Plan | None] = {}  # per choice: its reasoning plan
 
         def generate(prompt, index: int) -> Iterator[textgen.Piece]:
@@ -44,7 +45,7 @@ class TextBackend:
             plan = thinking[index] = reasoning.plan(request, tokenizer, ids)
             return textgen.generate(resident.model, tokenizer, ids, request.sampling, request.model.context_length,
                                     gate=lambda grammar: reasoning.gate(plan, tokenizer, vocab, grammar,
-                                                                        request.sampling.max_tokens))
+                                                                        request.sampling.max_tokens), kv=kv)
 
         return run_choices(request, job, generate, lambda: toolcalls.for_request(request, tokenizer),
                            lambda index: reasoning.thoughts(thinking.get(index)))

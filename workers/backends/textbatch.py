@@ -34,12 +34,14 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 
 from jobs.contract import Choice, TextResult
 from jobs.errors import Canceled
-from workers.backends import prefill, prepare, reasoning, sampling, textgen, toolcalls
+from workers.backends import prefill, prepare, quantized_kv, reasoning, sampling, textgen, toolcalls
 from workers.backends.base import Outcome
 from workers.backends.choice import Member, Sequence
 from workers.backends.decoding import DecodeBatch, Joining
 from workers.backends.prefill import Prompt, Start
+from workers.backends.prompt_disk import DISK_MIN_TOKENS, in_memory, namespace_for
 from workers.backends.text import choice_events
+from workers.models import batch_key
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +55,17 @@ MERGE_BYTES = 256 * 2**20
 """At most this much padded KV cache for the prompts processed in one pass: merging copies their cached
 prefixes (a long shared system prompt times 32 prompts would be gigabytes, briefly)."""
 
-def kv_bytes_per_token(model, float32: bool) -> int:
-    """KV-cache bytes one token takes in this model (keys and values, every layer): from its config."""
+def kv_bytes_per_token(model, float32: bool, kv=None) -> int:
+    """KV-cache bytes one token takes in this model (keys and values, every layer): from its config. Quantized
+    (`kv`, a jobs.kv_quant.KVQuant), a head's vector is its packed integers and a scale and a bias per group,
+    in the model's dtype: what the cache's arrays really hold."""
     args = getattr(model, "args", None)
     heads = getattr(args, "num_attention_heads", 0) or 0
     kv_heads = getattr(args, "num_key_value_heads", None) or heads
-    head_dim = getattr(args, "head_dim", None) or (getattr(args, "hidden_size", 0) // heads if heads else 0)
-    return 2 * len(getattr(model, "layers", ())) * kv_heads * head_dim * (4 if float32 else 2)
+    head_dim = quantized_kv.head_dims(model) or 0
+    element = 4 if float32 else 2
+    vector = (head_dim * kv.bits // 8 + 2 * (head_dim // kv.group_size) * element) if kv else head_dim * element
+    return 2 * len(getattr(model, "layers", ())) * kv_heads * vector
 
 
 def batchable(model) -> bool:
@@ -90,15 +96,23 @@ class Timeline:
 class TextBatch:
     """The text requests decoding together on one resident model."""
 
-    def __init__(self, resident, settings, prompt_cache, max_batch: int, models):
+    def __init__(self, resident, settings, prompt_cache, max_batch: int, models, disk=None):
         self.resident, self.settings, self.prompt_cache, self.models = resident, settings, prompt_cache, models
-        self.kv_per_token = kv_bytes_per_token(resident.model, resident.float32)
+        self.kv = quantized_kv.for_model(resident.model, resident.info.path, settings)  # None: unquantized
+        self.kv_per_token = kv_bytes_per_token(resident.model, resident.float32, self.kv)
         self.preparing: dict[object, Future] = {}  # requests being prepared, off the MLX thread
         self.fresh: list[Future] = []  # preparations submitted since the last step
         self.refused: list[tuple[object, Exception]] = []  # prepared into an error: ended at the next step
         self.waiting: deque = deque()  # (task, Prepared): requests that wait for KV memory
         self.reserved: dict[object, int] = {}  # what each request's KV cache may grow to
-        self.key = str(resident.info.path)
+        self.key = batch_key(resident.info.path, getattr(resident, "adapter", None))  # a batch per model and adapter
+        # Kept caches are found by model and KV quantization: a cache of another kind never joins this batch's.
+        self.cache_key = self.key if self.kv is None else f"{self.key}#kv{self.kv.bits}g{self.kv.group_size}"
+        # The prompt cache's disk tier (workers/backends/prompt_disk.py), for a model whose caches it can keep.
+        self.disk_ns = disk and namespace_for(resident, self.kv, settings.adapters_dir)
+        self.disk = disk if self.disk_ns else None
+        if self.disk:
+            self.disk.register(self.cache_key, self.disk_ns)
         self.tokenizer = resident.processor
         self.vocab = textgen.output_size(resident.model, self.tokenizer)
         self.max_batch = max_batch
@@ -143,7 +157,11 @@ class TextBatch:
 
     def _prepare(self, request) -> prepare.Prepared:
         """The request prepared for this batch's model (on a preparing thread)."""
-        return prepare.prepare(request, self.tokenizer, self.vocab, self.kv_per_token, self._kv_memory)
+        prepared = prepare.prepare(request, self.tokenizer, self.vocab, self.kv_per_token, self._kv_memory)
+        if self.disk:  # a prefix on disk longer than the memory tier's is read here, not on the MLX thread
+            prepared.loaded = [self.disk.load(self.disk_ns, ids, in_memory(self.prompt_cache, self.cache_key, ids))
+                               for ids, _ in prepared.prompts]
+        return prepared
 
     def _collect_prepared(self) -> None:
         """Move the prepared requests to the waiting line, and those that cannot be served to `refused`
@@ -176,14 +194,28 @@ class TextBatch:
                 self.prompt_cache.trim_to(n_bytes=room)
             self.waiting.popleft()
             self.reserved[task] = need
+            for loaded in prepared.loaded:  # read from disk: the memory tier serves them from now on
+                if loaded is not None:
+                    self.prompt_cache.insert_cache(self.cache_key, loaded.tokens, loaded.cache)
             sequences = []
             for i, (ids, budget) in enumerate(prepared.prompts):
                 prompt = self._prompt(task, i, ids, budget, prepared.grammar)
+                self._count_lookup(task, len(prompt.fed), bool(prepared.loaded and prepared.loaded[i]), len(ids))
                 sequences += [start.seq for start in prompt.starts]
                 self.prefilling.append(prompt)
             self.members[task] = Member(task, sequences)
+            if any(prepared.loaded):  # its prompts hold views of them now: the memory tier keeps to its room
+                self._trim_kept()
             if task in self.timelines:
                 self.timelines[task].joined = time.monotonic()
+
+    def _count_lookup(self, task, cached: int, from_disk: bool, length: int) -> None:
+        """Note where a prompt's cached prefix came from, for /metrics (recorded when its request ends): the
+        memory tier, or the disk tier, which counts the prompts it could have served (long ones that the memory
+        tier did not serve as far as it keeps)."""
+        task.cache_lookups.append(("memory", bool(cached) and not from_disk, 0 if from_disk else cached))
+        if self.disk and (from_disk or (length >= DISK_MIN_TOKENS and cached < DISK_MIN_TOKENS)):
+            task.cache_lookups.append(("disk", from_disk and bool(cached), cached))
 
     def remove(self, task) -> None:
         """Take a request out of the batch (canceled, failed or timed out); the others go on."""
@@ -331,7 +363,9 @@ class TextBatch:
         running requests (`_trim_kept`)."""
         mx.eval([c.state for cache, _ in kept for c in cache])
         for cache, tokens in kept:
-            self.prompt_cache.insert_cache(self.key, list(tokens), cache)
+            self.prompt_cache.insert_cache(self.cache_key, list(tokens), cache)
+            if self.disk:  # written by the disk tier's thread; the MLX thread goes on
+                self.disk.save(self.disk_ns, list(tokens), cache)
         self._trim_kept()
 
     def _start_ready(self) -> None:
@@ -360,7 +394,7 @@ class TextBatch:
     def _prompt(self, task, index: int, ids: list[int], budget: int, grammar) -> Prompt:
         """One input of a request and its `n` choices, resuming from the longest cached prefix of it."""
         request = task.request
-        cache, rest = self.prompt_cache.fetch_nearest_cache(self.key, ids)
+        cache, rest = self.prompt_cache.fetch_nearest_cache(self.cache_key, ids)
         if cache is not None and not rest:  # the whole prompt is cached: its last token must be fed again
             if can_trim_prompt_cache(cache):
                 trim_prompt_cache(cache, 1)
@@ -381,7 +415,7 @@ class TextBatch:
                            tools=toolcalls.for_request(request, self.tokenizer), grammar=row.grammar,
                            thoughts=reasoning.thoughts(thinking))
             starts.append(Start(seq, budget, row, order))
-        cache = cache if cache is not None else make_prompt_cache(self.resident.model)
+        cache = cache if cache is not None else quantized_kv.make_cache(self.resident.model, self.kv)
         return Prompt(task, starts, cache, ids[:cached], list(rest), order)
 
     def _publish_and_collect(self) -> list[tuple[object, Outcome | Exception]]:

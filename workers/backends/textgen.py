@@ -14,6 +14,7 @@ from mlx_lm.utils import dequantize_model
 from jobs.contract import Sampling
 from jobs.errors import ContextLengthExceeded
 from workers.backends.logprobs import entry
+from workers.backends.quantized_kv import make_cache
 from workers.backends.sampling import logits_processors, make_sampler
 
 
@@ -195,11 +196,16 @@ def logprob_of(sampling: Sampling, tokenizer, token: int | None, logprobs, finis
 
 
 def generate(model, tokenizer, prompt: list[int], sampling: Sampling,
-             context_length: int | None = None, gate=None) -> Iterator[Piece]:
+             context_length: int | None = None, gate=None, kv=None) -> Iterator[Piece]:
     """Generate from token ids: one Piece per token; the last one carries the finish reason. `gate(grammar)`
-    gives the sequence's token-level constraint around its grammar (a reasoning model's thinking budget)."""
+    gives the sequence's token-level constraint around its grammar (a reasoning model's thinking budget);
+    `kv` (a jobs.kv_quant.KVQuant) quantizes its KV cache."""
     budget = token_budget(len(prompt), sampling.max_tokens, context_length)
     kwargs = _generation_kwargs(sampling, output_size(model, tokenizer), tokenizer, gate)
+    if kv is not None:
+        # The batch's own quantized cache, from the first token (mlx-lm's kv_bits would quantize after the
+        # first chunk of the prompt, and fail on a sliding-window layer instead of leaving it as it is).
+        kwargs["prompt_cache"] = make_cache(model, kv)
     steps = (Step(step.text, step.generation_tokens, len(prompt), step.finish_reason,
                   logprob_of(sampling, tokenizer, step.token, step.logprobs, step.finish_reason))
              for step in mlx_lm.stream_generate(model, tokenizer, prompt, max_tokens=budget, **kwargs))

@@ -4,8 +4,8 @@ Three come from registry wheels (a text LLM, Whisper tiny.en, and the multilingu
 is split across two wheels and joined here); four are made from the first: its two
 tool-calling variants (workers/demo/tools_model.py, a chat template each), the thinking demo
 (workers/demo/think_model.py, a LoRA adapter trained here) and the toy vision model
-(workers/demo/vlm_build.py). The last two builds are deterministic and take minutes,
-so their results are cached under the downloads directory, keyed by their inputs, the way the wheels are:
+(workers/demo/vlm_build.py); and a LoRA adapter for it, trained here (workers/demo/adapter_demo.py) and
+imported into the adapter store. These three builds are deterministic and take minutes, so their results are cached under the downloads directory, keyed by their inputs, the way the wheels are:
 a second store (a test's, another user's) gets a copy instead of a rebuild.
 """
 
@@ -65,6 +65,9 @@ DEMO_VLM = "shapes-vlm-toy"
 _BUILDER_SOURCES = ("vlm_build.py", "vlm_train.py", "vlm_tower.py", "shapes.py", "vlm_card.py")
 _THINK_SOURCES = ("think_model.py",)
 """Everything the thinking demo's build reads besides the text model."""
+_ADAPTER_SOURCES = ("adapter_demo.py", "lora_train.py", "think_model.py")
+"""Everything the demo adapter's build reads besides the text model (its questions and trainer are the thinking
+demo's)."""
 _FACTS = "build-facts.json"
 
 
@@ -90,6 +93,8 @@ def pull_demo(settings, log: Callable[[str], None] | None = None) -> list[ModelI
     infos += pull_demo_tools(settings, log)
     infos.append(pull_demo_think(settings, log))
     infos.append(pull_demo_vlm(settings, log))
+    adapter = pull_demo_adapter(settings, log)
+    log(f"ready: adapter {adapter.name} (for {adapter.base}) at {adapter.path}")
     _fetch_vad(log)
     return infos
 
@@ -147,6 +152,27 @@ def pull_demo_think(settings, log: Callable[[str], None]) -> ModelInfo:
                   "origin": "mlxq demo build: workers/demo/think_model.py, generated questions",
                   "description": DESCRIPTION, "toy": True}
     return import_into_store(settings, NAME, _copy_build, built, provenance, force=info is not None)
+
+
+def pull_demo_adapter(settings, log: Callable[[str], None]):
+    """Put the demo LoRA adapter in the adapter store (from the build cache, training it first if needed), unless it
+    is there from this build; return its jobs.adapters.AdapterInfo."""
+    from jobs.adapters import ADAPTER_MANIFEST, adapter_entry
+    from jobs.model_files import read_json
+    from workers.adapter_store import import_adapter
+    from workers.demo.adapter_demo import BASE, DESCRIPTION, NAME, build_adapter
+
+    built_dir = _build_dir(NAME, _ADAPTER_SOURCES)
+    info = adapter_entry(settings, NAME)
+    if info is not None and (read_json(info.path / ADAPTER_MANIFEST) or {}).get("source") == f"built:{built_dir}":
+        log(f"{NAME}: already in the adapter store")
+        return info
+    _, text = _text_demo_entry(settings, NAME)
+    built = _cached_build(NAME, _ADAPTER_SOURCES, build_adapter, text, log,
+                          "trains a LoRA adapter for a minute or two on a CPU")
+    provenance = {"source": f"built:{built}", "description": DESCRIPTION, "toy": True,
+                  "origin": "mlxq demo build: workers/demo/adapter_demo.py, generated questions"}
+    return import_adapter(settings, built, name=NAME, base=BASE, force=info is not None, provenance=provenance)
 
 
 def pull_demo_vlm(settings, log: Callable[[str], None]) -> ModelInfo:
