@@ -208,6 +208,8 @@ class Scheduler:
             if now - task.started > task.timeout_s:
                 batch.remove(task)
                 ended.append((task, JobTimeout(f"the job ran past its time limit of {task.timeout_s:g}s")))
+        if ended:
+            batch.flush()  # their deltas, handed to the publishing thread, go out before their ends
         self._end_many(ended)
         if not len(batch):
             self._drop_batch(batch)

@@ -411,6 +411,8 @@ def first_token_step(run: Scheduler, request, limit: int = 500) -> int:
     """Step until the request has generated a token; how many steps that took."""
     for steps in range(1, limit + 1):
         run.step()
+        for batch in run.text.values():  # what a step hands to the publishing thread is published when it is done
+            batch.flush()
         log = read_log(run.conn, request.id)
         if any(e["type"] in ("delta", "done") for e in log):
             return steps

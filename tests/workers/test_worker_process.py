@@ -158,7 +158,8 @@ def test_canceled_job_stops_with_a_canceled_error(worker_parts, redis_conn, sett
 
 
 def test_a_cancel_while_generating_stops_the_job_at_the_next_delta(worker_parts, redis_conn, settings):
-    # Each delta's publish reports a cancel: at most one more delta goes out after the flag is set.
+    # Each delta's publish reports a cancel, and the worker reads that reply a step later (deltas are published on
+    # a thread beside the decode loop: workers/backends/publishing.py): a few more deltas at most go out after it.
     job_id = submit(redis_conn, settings, chat_request(settings, LONG, max_tokens=500))
     last_id_before_flag = []
 
@@ -174,7 +175,8 @@ def test_a_cancel_while_generating_stops_the_job_at_the_next_delta(worker_parts,
     error = terminal(redis_conn, job_id, 5)
     assert (error["data"]["code"], error["data"]["status"]) == ("canceled", 499)
     after = [e for e in read_log(redis_conn, job_id) if e["type"] == "delta" and e["id"] > last_id_before_flag[0]]
-    assert len(after) <= 2, f"{len(after)} deltas went out after the cancel"  # one may race the flag
+    # one may race the flag, one more is handed over before the reply is read, and two may wait to be sent
+    assert len(after) <= 4, f"{len(after)} deltas went out after the cancel"
 
 
 def test_a_job_past_its_time_limit_ends_with_504_between_two_pieces(worker_parts, redis_conn, settings):

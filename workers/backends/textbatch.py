@@ -40,6 +40,7 @@ from workers.backends.choice import Member, Sequence
 from workers.backends.decoding import DecodeBatch, Joining
 from workers.backends.prefill import Prompt, Start
 from workers.backends.prompt_disk import DISK_MIN_TOKENS, in_memory, namespace_for
+from workers.backends.publishing import BackgroundPublisher
 from workers.backends.text import choice_events
 from workers.models import batch_key
 
@@ -127,6 +128,8 @@ class TextBatch:
         self.interval = settings.stream_interval_ms / 1000
         self.turns = Counter()  # the batch's turns so far: "prefill" and "decode"
         self.timelines: dict[object, Timeline] = {}  # at DEBUG level: where each request's first token waited
+        self.publishing: BackgroundPublisher | None = None  # sends the deltas beside the decode loop
+        self.canceled: set[str] = set()  # jobs whose clients canceled, as the replies to their deltas said
 
     def __len__(self) -> int:
         return len(self.members) + len(self.waiting) + len(self.preparing) + len(self.refused)
@@ -419,8 +422,8 @@ class TextBatch:
         return Prompt(task, starts, cache, ids[:cached], list(rest), order)
 
     def _publish_and_collect(self) -> list[tuple[object, Outcome | Exception]]:
-        """Send the deltas that are due (one round trip for all); return the requests that ended:
-        finished, or canceled by their client (its reply to a delta says so)."""
+        """Hand the deltas that are due to the publishing thread (one round trip for all); return the requests
+        that ended: finished, or canceled by their client (a reply to their deltas said so)."""
         now, due, ended = time.monotonic(), [], []
         for member in self.members.values():
             if member.done:
@@ -428,12 +431,18 @@ class TextBatch:
             elif now - member.last_sent >= self.interval and any(s.pending_any for s in member.sequences):
                 due.append(member)
         if due:
-            canceled = self._send([(m.task, self._deltas(m)) for m in due])
-            for member, cancel in zip(due, canceled, strict=True):
+            self._send([(m.task, self._deltas(m)) for m in due])
+            for member in due:
                 member.last_sent = now
-                if cancel:
+        if self.publishing is not None:
+            self.canceled |= self.publishing.collect()
+        if self.canceled:
+            finished = {task for task, _ in ended}
+            for member in self.members.values():
+                if member.task.run.job_id in self.canceled and member.task not in finished:
                     tokens = sum(s.tokens for s in member.sequences)
                     ended.append((member.task, Canceled(f"canceled after {tokens} generated tokens")))
+            self.canceled = set()  # each one ended now, or already ending, or gone
         for task, result in ended:
             timeline = self.timelines.pop(task, None)
             if timeline is not None:
@@ -449,12 +458,20 @@ class TextBatch:
             self.reserved.pop(task, None)
         return ended
 
-    def _send(self, batches: list) -> list[bool]:
-        """Publish several requests' deltas in one round trip; whether each one's client canceled."""
-        publisher, now = batches[0][0].run.publisher, time.time()
+    def _send(self, batches: list) -> None:
+        """Hand several requests' deltas to the publishing thread (one round trip for all; cancels come back in
+        its replies, collected at the next steps)."""
+        now = time.time()
         for task, _ in batches:
             task.run.first_output_at = task.run.first_output_at or now
-        return publisher.publish_pipelined([(task.run.job_id, events) for task, events in batches])
+        if self.publishing is None:
+            self.publishing = BackgroundPublisher(batches[0][0].run.publisher)
+        self.canceled |= self.publishing.submit([(task.run.job_id, events) for task, events in batches])
+
+    def flush(self) -> None:
+        """Wait until every delta handed over is published: the requests that end now are answered after them."""
+        if self.publishing is not None:
+            self.canceled |= self.publishing.flush()
 
     @staticmethod
     def _deltas(member: Member) -> list:
@@ -486,6 +503,9 @@ class TextBatch:
 
     def close(self) -> None:
         """Give back what decoding held (the last request has left)."""
+        if self.publishing is not None:
+            self.publishing.close()
+            self.publishing = None
         if self._old_wired_limit is not None:
             mx.synchronize(self.stream)
             mx.set_wired_limit(self._old_wired_limit)
