@@ -113,6 +113,7 @@ class TranscriptionRequest:
     chunking: str | None = None  # "auto": decode only the speech a voice activity detector finds
     task: str = "transcribe"  # one of SPEECH_TASKS: "translate" gives English text
     logprobs: bool = False  # include[]=logprobs: the text tokens' log-probabilities in the result
+    keep_alive: float | None = None  # seconds the model stays loaded once idle (negative: until evicted)
     is_async: bool = False
     request_id: str | None = None
     attempts: int = 1  # runs started so far, this one included (a crashed run is resumed, not restarted)

@@ -19,7 +19,7 @@ from jobs.formats import FORMATS, GRANULARITIES
 from jobs.records import STATUSES
 from jobs.webhooks import UnsafeDestination, check_destination
 from web.jsonbody import JSONRejected, loads
-from web.schemas import ChatCompletionRequestSchema
+from web.schemas import ChatCompletionRequestSchema, KeepAlive
 from web.services import services
 
 MAX_METADATA_KEYS = 16
@@ -97,6 +97,10 @@ class TranscriptionFormSchema(Schema):
                                              "`verbose_json` bodies and the stream's events"})
     include_plain = fields.List(fields.String(validate=validate.OneOf(INCLUDES)), data_key="include",
                                 load_default=list)
+    keep_alive = KeepAlive(metadata={"type": "string", "description": "How long the Whisper model stays loaded "
+                                     "once idle: seconds or a duration such as \"5m\" (Ollama's field; negative: until "
+                                     "evicted, 0: unload once idle). Left out: as the model's latest request said, "
+                                     "else MLXQ_MODEL_TTL_S"})
 
     @post_load
     def _normalise(self, data, **kwargs):
@@ -105,6 +109,7 @@ class TranscriptionFormSchema(Schema):
         data["timestamp_granularities"] = [g for g in GRANULARITIES if g in granularities] or ["segment"]
         data["language"] = data.get("language") or None  # translations have no `language`
         data["prompt"] = data.get("prompt") or None
+        data["keep_alive"] = data.get("keep_alive")
         # OpenAI's {"type": "server_vad", ...} arrives as chunking_strategy[type]: the same detector.
         data["chunking_strategy"] = "auto" if data.pop("chunking_type", None) else data.get("chunking_strategy")
         data["logprobs"] = "logprobs" in _included(data)

@@ -322,6 +322,7 @@ def transcription_request(form: dict, job_id: str, is_async: bool, task: str = "
         prompt=form["prompt"], temperature=form["temperature"],
         word_timestamps="word" in form["timestamp_granularities"], chunking=form["chunking_strategy"],
         task=task, logprobs=form["logprobs"], is_async=is_async, request_id=g.request_id,
+        keep_alive=form.get("keep_alive"),
     )
     return request, upload, audio
 

@@ -1,11 +1,12 @@
 """Idle unload with the real worker: a request's `keep_alive` (Ollama's field) decides how long its model stays
-loaded once idle; a bad value is a 400 naming the field in each API's envelope."""
+loaded once idle, on the text APIs and on transcriptions; a bad value is a 400 naming the field in each API's
+envelope."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.conftest import wait_until
+from tests.conftest import REPO, wait_until
 from tests.integration.test_admin_metrics import STATE_WAIT_S, holds, resident
 
 TEXT = "smollm2-135m"
@@ -43,3 +44,16 @@ def test_a_bad_keep_alive_is_a_400_naming_the_field(api, path, body, bad):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert "keep_alive" in (error.get("param") or "") + error["message"], error
+
+
+def test_a_transcription_takes_keep_alive_too(api):
+    speech = "whisper-tiny.en"
+    clip = (REPO / "tests" / "fixtures" / "speech" / "garden.wav").read_bytes()
+    response = api.post("/v1/audio/transcriptions", files={"file": ("garden.wav", clip, "audio/wav")},
+                        data={"model": speech, "keep_alive": "0"})
+    assert response.status_code == 200, response.text
+    assert response.json()["text"].strip()
+    holds(api, lambda models: speech not in models)  # unloaded once idle, as it asked
+    refused = api.post("/v1/audio/transcriptions", files={"file": ("garden.wav", clip, "audio/wav")},
+                       data={"model": speech, "keep_alive": "soon"})
+    assert refused.status_code == 400 and "keep_alive" in refused.text, refused.text
