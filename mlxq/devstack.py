@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import os
 import shutil
 import signal
@@ -26,6 +25,7 @@ from urllib.parse import urlsplit
 
 import redis
 
+from jobs.dirlock import DirectoryInUse, lock_directory
 from jobs.settings import Settings
 
 GRACE_S = 20.0
@@ -96,19 +96,12 @@ def describe_port_problem(problem: OSError) -> str:
 def lock_data_dir(data_dir: Path) -> int:
     """Lock `data_dir` for this process (an flock on its LOCK_NAME, which dies with every holder of the
     returned descriptor); refuse with the holder's pid when another process has it."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(data_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise SystemExit(f"redis: {data_dir} is in use by another mlxq (pid {holder}): two Redis servers must "
+        return lock_directory(data_dir, LOCK_NAME)
+    except DirectoryInUse as exc:
+        raise SystemExit(f"redis: {data_dir} is in use by another mlxq (pid {exc.holder}): two Redis servers must "
                          "not share one data directory. Stop that one, or give this instance its own Redis "
                          "port (REDIS_URL=redis://127.0.0.1:PORT/0) or its own MLXQ_MODELS_DIR.") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
 
 
 def redis_server_binary() -> tuple[Path, str] | None:

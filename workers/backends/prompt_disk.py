@@ -32,7 +32,6 @@ would cost about as much as reading them again (0.5 s for a 4,000-token entry of
 from __future__ import annotations
 
 import base64
-import fcntl
 import hashlib
 import json
 import logging
@@ -50,6 +49,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+from jobs.dirlock import DirectoryInUse, lock_directory
 from workers.backends import quantized_kv
 from workers.backends.quantized_kv import QuantizedCache
 
@@ -527,18 +527,12 @@ def open_tier(settings) -> DiskTier | None:
     if not settings.prompt_cache_dir or settings.prompt_cache_disk_mb <= 0:
         return None
     directory = Path(settings.prompt_cache_dir).expanduser()
-    directory.mkdir(parents=True, exist_ok=True)
-    fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
+        fd = lock_directory(directory, LOCK_NAME)
+    except DirectoryInUse as exc:
         log.warning("prompt cache on disk: %s is in use by another worker (pid %s); this one keeps its prompt "
-                    "cache in memory only. Give each worker its own MLXQ_PROMPT_CACHE_DIR.", directory, holder)
+                    "cache in memory only. Give each worker its own MLXQ_PROMPT_CACHE_DIR.", directory, exc.holder)
         return None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return DiskTier(directory, settings.prompt_cache_disk_mb * 2**20, fd)
 
 
