@@ -62,10 +62,11 @@ def test_a_forced_call_is_parsed_into_tool_calls(openai_client, named, choice):
     assert "paris" in arguments["city"].lower()
 
 
-def test_streamed_tool_call_deltas_assemble_to_the_same_call(openai_client, named):
-    plain = named.choices[0].message.tool_calls[0]
+def assembled(chunks) -> tuple[dict, str, str | None]:
+    """A streamed chat's tool calls put together from their deltas (by index: id, name, arguments), its content
+    and its finish reason, as a client does."""
     calls, content, finish = {}, "", None
-    for chunk in ask(openai_client, tool_choice=NAMED, stream=True):
+    for chunk in chunks:
         if not chunk.choices:
             continue
         delta = chunk.choices[0].delta
@@ -76,6 +77,12 @@ def test_streamed_tool_call_deltas_assemble_to_the_same_call(openai_client, name
             call["name"] += part.function.name or ""
             call["arguments"] += part.function.arguments or ""
         finish = chunk.choices[0].finish_reason or finish
+    return calls, content, finish
+
+
+def test_streamed_tool_call_deltas_assemble_to_the_same_call(openai_client, named):
+    plain = named.choices[0].message.tool_calls[0]
+    calls, content, finish = assembled(ask(openai_client, tool_choice=NAMED, stream=True))
     assert finish == "tool_calls"
     assert "<tool_call>" not in content and not content.strip()  # the markup never streams as content
     assert list(calls) == [0]

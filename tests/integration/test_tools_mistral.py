@@ -14,7 +14,7 @@ import json
 import openai
 import pytest
 
-from tests.integration.test_tools import ASK, NAMED, TIME, WEATHER
+from tests.integration.test_tools import ASK, NAMED, TIME, WEATHER, assembled
 
 MODEL = "smollm2-135m-mistral-tools"
 TOOLS = {"get_weather": WEATHER, "get_time": TIME}
@@ -58,18 +58,7 @@ def test_a_named_function_gives_a_parsed_call(named):
 
 def test_streamed_deltas_assemble_to_the_same_call(openai_client, named):
     plain = named.choices[0].message.tool_calls[0]
-    calls, content, finish = {}, "", None
-    for chunk in ask(openai_client, tool_choice=NAMED, stream=True):
-        if not chunk.choices:
-            continue
-        delta = chunk.choices[0].delta
-        content += delta.content or ""
-        for part in delta.tool_calls or []:
-            call = calls.setdefault(part.index, {"id": "", "name": "", "arguments": ""})
-            call["id"] += part.id or ""
-            call["name"] += part.function.name or ""
-            call["arguments"] += part.function.arguments or ""
-        finish = chunk.choices[0].finish_reason or finish
+    calls, content, finish = assembled(ask(openai_client, tool_choice=NAMED, stream=True))
     assert finish == "tool_calls"
     assert "[TOOL_CALLS]" not in content and not content.strip()  # the markup never streams as content
     assert list(calls) == [0] and calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("call_")

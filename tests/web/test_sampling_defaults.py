@@ -6,7 +6,6 @@ author's generation_config.json."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
@@ -14,6 +13,7 @@ from jobs.contract import parse
 from jobs.model_files import sampling_defaults_of
 from jobs.queues import fetch_job
 from tests import worker_heartbeat
+from tests.store_entries import linked_entry
 from web.app import create_app
 
 AUTHORED = {"temperature": 0.3, "top_p": 0.8, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1}
@@ -28,15 +28,7 @@ def app(models_dir, redis_url, tmp_path_factory):
     store = tmp_path_factory.mktemp("store")
     source = models_dir / "smollm2-135m"
     for name in ("plain", "authored"):
-        entry = store / name
-        entry.mkdir()
-        for file in source.iterdir():
-            if file.suffix == ".safetensors":
-                (entry / file.name).symlink_to(file)
-            else:
-                shutil.copy(file, entry / file.name)
-        manifest = json.loads((entry / "mlxq.json").read_text())
-        (entry / "mlxq.json").write_text(json.dumps({**manifest, "name": name}))
+        linked_entry(source, store, name)
     config = json.loads((store / "authored" / "generation_config.json").read_text())
     (store / "authored" / "generation_config.json").write_text(json.dumps({**config, **AUTHORED, "do_sample": True}))
     app = create_app({"redis_url": redis_url, "models_dir": store, "spool_dir": store / "spool", "sync_timeout_s": 0.2})

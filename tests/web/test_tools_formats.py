@@ -6,13 +6,13 @@ heartbeat makes calls queue, then time out), on a store holding the demo model w
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
 from jobs.contract import parse
 from jobs.queues import fetch_job
 from tests import worker_heartbeat
+from tests.store_entries import linked_entry
 from web.app import create_app
 from workers.demo.tools_model import MISTRAL_CHAT_TEMPLATE
 
@@ -35,15 +35,7 @@ def app(models_dir, redis_url, tmp_path_factory):
     store = tmp_path_factory.mktemp("store")
     source = models_dir / "smollm2-135m"
     for name, template in TEMPLATES.items():
-        entry = store / name
-        entry.mkdir()
-        for file in source.iterdir():
-            if file.suffix == ".safetensors":
-                (entry / file.name).symlink_to(file)
-            else:
-                shutil.copy(file, entry / file.name)
-        manifest = json.loads((entry / "mlxq.json").read_text())
-        (entry / "mlxq.json").write_text(json.dumps({**manifest, "name": name}))
+        entry = linked_entry(source, store, name)
         config = json.loads((entry / "tokenizer_config.json").read_text())
         (entry / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": template}))
     app = create_app({"redis_url": redis_url, "models_dir": store, "spool_dir": store / "spool", "sync_timeout_s": 0.2})
