@@ -183,6 +183,29 @@ def test_requests_decode_together_and_each_gives_what_it_gives_alone(redis_conn,
         assert texts(done(redis_conn, request.id)) == texts(alone(request))
 
 
+def test_a_burst_of_chats_joins_the_decoder_as_its_prompt_pass_left_it(redis_conn, settings, worker_parts, alone,
+                                                                      monkeypatch):
+    # Chats that arrive together are processed in one pass; with one choice each, the decoder takes that
+    # pass's batch cache as it is (no row cut out and merged again) and each still gives what it gives alone.
+    from workers.backends.decoding import DecodeBatch
+    from workers.backends.prefill import Together
+
+    requests = [chat(settings, QUESTIONS[i % len(QUESTIONS)], **mixed) for i, mixed in enumerate(MIXED)]
+    joins, cut = [], []
+    insert, row = DecodeBatch.insert_many, Together.row
+    monkeypatch.setattr(DecodeBatch, "insert_many", lambda self, joining, batch_cache=None: (
+        joins.append((len(joining), batch_cache is not None)), insert(self, joining, batch_cache))[1])
+    monkeypatch.setattr(Together, "row", lambda self, i: cut.append(i) or row(self, i))
+    for request in requests:
+        submit(redis_conn, settings, request)
+    scheduler(redis_conn, settings, worker_parts, max_batch=16).run()
+    monkeypatch.undo()
+    assert sum(n for n, whole in joins if whole) >= 2 and not cut, (joins, cut)
+    assert all(whole or n <= 1 for n, whole in joins), joins  # a lone prompt is processed on its own
+    for request in requests:
+        assert texts(done(redis_conn, request.id)) == texts(alone(request))
+
+
 @pytest.fixture(scope="module")
 def second_model(tmp_path_factory, models_dir):
     """A tiny random model with the demo model's config and tokenizer: another text model for the store."""

@@ -95,17 +95,19 @@ class DecodeBatch:
         """Add a sequence: `cache` holds `fed`, its prompt; `first`, its first token, the next step feeds."""
         self.insert_many([Joining(key, cache, fed, first, budget, row, logprobs)])
 
-    def insert_many(self, joining: list[Joining]) -> None:
+    def insert_many(self, joining: list[Joining], batch_cache: list | None = None) -> None:
         """Add several sequences at once: their caches merge into the batch's in one operation per layer
-        (one by one, 64 sequences joining together queued ~10,000 small copies for the next step)."""
+        (one by one, 64 sequences joining together queued ~10,000 small copies for the next step). With
+        `batch_cache` (per layer, a batch cache whose row i is joining[i]'s), that is their caches,
+        already merged: the rows of a prompt-processing pass (workers/backends/prefill.py's `Together`)."""
         if not joining:
             return
         with mx.stream(self.stream):
             caches = [j.cache for j in joining]
-            if not self.slots and len(joining) == 1:
+            if batch_cache is None and not self.slots and len(joining) == 1:
                 self.cache, self.batched = caches[0], False
             else:
-                new = [type(layer[0]).merge(list(layer)) for layer in zip(*caches, strict=True)]
+                new = batch_cache or [type(layer[0]).merge(list(layer)) for layer in zip(*caches, strict=True)]
                 if not self.slots:
                     self.cache = new
                 else:

@@ -326,7 +326,7 @@ class TextBatch:
             finish = "stop" if token in self.decoder.eos else ("length" if start.budget <= 1 else None)
             wanted = start.task.request.sampling.logprobs is not None
             if start.seq.advance(token, finish, logprobs[row] if wanted else None):
-                ended.append((start.cache, start.fed))
+                ended.append((start.own_cache(), start.fed))
             else:
                 start.first = token
                 self.ready.append(start)
@@ -386,8 +386,31 @@ class TextBatch:
             decoding[start.task] += 1
             total += 1
         self.ready = [start for start in self.ready if start not in joining]
-        self.decoder.insert_many([Joining(start.seq, start.cache, start.fed, start.first, start.budget, start.row,
-                                          start.task.request.sampling.logprobs is not None) for start in joining])
+        # The choices of prompts processed in one pass join with that pass's batch cache as it is, when all
+        # of them join now; the others with caches of their own (cut out of it where they still are in one).
+        passes: dict[int, list] = {}
+        for start in joining:
+            if start.in_pass is not None:
+                passes.setdefault(id(start.in_pass[0]), []).append(start)
+        whole = [starts for starts in passes.values() if len(starts) == starts[0].in_pass[0].rows > 1]
+        in_whole = {start for starts in whole for start in starts}
+        for starts in whole:
+            together = starts[0].in_pass[0]
+            starts.sort(key=lambda start: start.in_pass[1])
+            self.decoder.insert_many([self._joining(start, None) for start in starts], together.cache)
+            for start in starts:
+                start.in_pass = None
+        cut = [start.own_cache() for start in self.ready if start.in_pass is not None]
+        if cut:  # waiting for room: copies of their own now, which do not keep the pass's cache alive
+            mx.eval([c.state for cache in cut for c in cache])
+        self.decoder.insert_many([self._joining(start, start.own_cache()) for start in joining
+                                  if start not in in_whole])
+
+    @staticmethod
+    def _joining(start: Start, cache: list | None) -> Joining:
+        """A ready choice as it joins the decoder, with its cache (None: a row of the batch cache it joins with)."""
+        return Joining(start.seq, cache, start.fed, start.first, start.budget, start.row,
+                       start.task.request.sampling.logprobs is not None)
 
     def _trim_kept(self) -> None:
         """Kept caches never crowd out running requests."""
