@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 
 import redis
 from rq import Queue
@@ -43,6 +44,8 @@ from workers.running import Task, hand_back, record, resumable, tell
 log = logging.getLogger(__name__)
 
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+LOG_SPENT_EVERY_S = 2.0
+"""At DEBUG level, how often the loop logs where its time went (per batch step, by part)."""
 EXPIRY_EVERY_S = 1.0
 """How often the scheduler looks for models idle past their keep-alive (MLXQ_MODEL_TTL_S, a request's keep_alive)."""
 
@@ -63,6 +66,7 @@ class Scheduler:
         self.admission = Admission(self, conn, list(self.queues.values()), burst)
         self.stopping = self.cold = False
         self._next_expiry = 0.0
+        self._spent, self._spent_since = Counter(), time.monotonic()  # DEBUG: where the loop's time goes
         self._lock = threading.Lock()
         self._running: set[Task] = set()  # every task from its start to its end
         models.in_use = self._models_in_use  # the model manager never unloads these (admin unload)
@@ -108,8 +112,10 @@ class Scheduler:
 
     def step(self) -> bool:
         """Take jobs that can start, then run one piece of work; False if there was nothing to do."""
+        began = time.monotonic()
         took = not self.stopping and self.admission.admit()
         now = time.monotonic()
+        self._spent["admission"] += now - began
         if now >= self._next_expiry:  # models idle past their keep-alive go (a look a second is plenty)
             self._next_expiry = now + EXPIRY_EVERY_S
             self.models.expire(now)
@@ -120,7 +126,26 @@ class Scheduler:
             self._step_batch(unit)
         else:
             self._advance(unit)
+        if log.isEnabledFor(logging.DEBUG):
+            self._log_spent(began)
         return True
+
+    def _log_spent(self, began: float) -> None:
+        """At DEBUG level, every LOG_SPENT_EVERY_S: where the loop's time went while text decoded, per step."""
+        now = time.monotonic()
+        self._spent["loop"] += now - began
+        if now - self._spent_since < LOG_SPENT_EVERY_S:
+            return
+        spent = self._spent + sum((batch.spent for batch in self.text.values()), Counter())
+        for batch in self.text.values():
+            batch.spent.clear()
+        steps = spent.pop("steps", 0)
+        if steps:
+            rows = spent.pop("rows", 0)
+            parts = ", ".join(f"{name} {1000 * seconds / steps:.2f}" for name, seconds in spent.most_common())
+            log.debug("the loop over %.1f s: %d batch steps of %.1f sequences on average; ms per step: %s",
+                      now - self._spent_since, steps, rows / steps, parts)
+        self._spent, self._spent_since = Counter(), now
 
     def _models_in_use(self) -> set[str]:
         """Directories of the models that running requests use (batches and solo tasks)."""
@@ -211,6 +236,7 @@ class Scheduler:
         if ended:
             batch.flush()  # their deltas, handed to the publishing thread, go out before their ends
         self._end_many(ended)
+        self._spent["ending"] += time.monotonic() - now
         if not len(batch):
             self._drop_batch(batch)
 

@@ -130,6 +130,7 @@ class TextBatch:
         self.timelines: dict[object, Timeline] = {}  # at DEBUG level: where each request's first token waited
         self.publishing: BackgroundPublisher | None = None  # sends the deltas beside the decode loop
         self.canceled: set[str] = set()  # jobs whose clients canceled, as the replies to their deltas said
+        self.spent = Counter()  # at DEBUG level: seconds per part of the batch's steps (the scheduler logs them)
 
     def __len__(self) -> int:
         return len(self.members) + len(self.waiting) + len(self.preparing) + len(self.refused)
@@ -263,6 +264,10 @@ class TextBatch:
         publishing = time.monotonic()
         results = refused + self._publish_and_collect()
         ended = time.monotonic()
+        if log.isEnabledFor(logging.DEBUG):
+            self.spent.update({"steps": 1, "rows": self.sequences, "admitting": started - began,
+                               "prefill" if turn else "decode": joined - started, "leaving": left_s + kept_s,
+                               "joining": publishing - joined, "publishing": ended - publishing})
         if ended - began > SLOW_STEP_S and log.isEnabledFor(logging.DEBUG):
             done = (f"prefill of {len(turn)} prompts, {sum(n for _, n in turn)} tokens" if turn
                     else f"decode of {self.sequences} sequences")
@@ -348,8 +353,10 @@ class TextBatch:
     def _decode(self) -> tuple[float, float]:
         """One token for every decoding sequence; those that finished leave, their caches kept. The seconds
         they took to leave the batch and to be kept (for the slow-step log)."""
-        finished = [out.key for out in self.decoder.step()
-                    if out.key.advance(out.token, out.finish_reason, out.logprobs)]
+        began = time.monotonic()
+        tokens = self.decoder.step()
+        self.spent["engine"] += time.monotonic() - began
+        finished = [out.key for out in tokens if out.key.advance(out.token, out.finish_reason, out.logprobs)]
         if not finished:
             return 0.0, 0.0
         began = time.monotonic()  # their caches serve later requests that start the same way
