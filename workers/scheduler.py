@@ -113,9 +113,11 @@ class Scheduler:
     def step(self) -> bool:
         """Take jobs that can start, then run one piece of work; False if there was nothing to do."""
         began = time.monotonic()
+        busy = bool(self._running)  # (with nothing running, admission waits for work: not the loop's time)
         took = not self.stopping and self.admission.admit()
         now = time.monotonic()
-        self._spent["admission"] += now - began
+        if busy:
+            self._spent["admission"] += now - began
         if now >= self._next_expiry:  # models idle past their keep-alive go (a look a second is plenty)
             self._next_expiry = now + EXPIRY_EVERY_S
             self.models.expire(now)
@@ -127,13 +129,14 @@ class Scheduler:
         else:
             self._advance(unit)
         if log.isEnabledFor(logging.DEBUG):
-            self._log_spent(began)
+            self._log_spent(began, busy)
         return True
 
-    def _log_spent(self, began: float) -> None:
+    def _log_spent(self, began: float, busy: bool) -> None:
         """At DEBUG level, every LOG_SPENT_EVERY_S: where the loop's time went while text decoded, per step."""
         now = time.monotonic()
-        self._spent["loop"] += now - began
+        if busy:
+            self._spent["loop"] += now - began
         if now - self._spent_since < LOG_SPENT_EVERY_S:
             return
         spent = self._spent + sum((batch.spent for batch in self.text.values()), Counter())
@@ -241,6 +244,7 @@ class Scheduler:
             self._drop_batch(batch)
 
     def _drop_batch(self, batch: TextBatch) -> None:
+        self._spent.update(batch.spent)  # (its part of the loop's time, for the next DEBUG summary)
         with self._lock:
             self.text.pop(batch.key, None)
         batch.close()
