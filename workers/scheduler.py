@@ -302,6 +302,7 @@ class Scheduler:
                 task.gen.close()
         except Exception:  # closing never decides the job's outcome, which is already recorded
             log.exception("closing the run of %s failed", task.job.id)
+        self.admission.look_now()  # its place is free: what waits may join at the next step
         with self._lock:
             self._running.discard(task)
             for lane, current in self.solo.items():

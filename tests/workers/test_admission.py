@@ -114,3 +114,26 @@ def test_nothing_joins_while_a_request_waits_for_memory_and_interactive_blocks_t
     floor.solo[queues.BATCH] = _task("speech")  # still busy: now the batch lane is the one taken
     policy.look_now()  # (a look within ADMIT_EVERY_S of the last one would wait)
     assert policy.admit() and floor.begun == [("chat-1", queues.INTERACTIVE)]
+
+
+def test_while_no_text_can_join_the_queues_are_looked_at_less_often_until_a_place_frees(redis_conn, settings,
+                                                                                          monkeypatch):
+    floor = Floor(max_batch=1, text=[Batch(members=1)])  # the batches are full
+    policy = _policy(floor, redis_conn)
+    looks = []
+    monkeypatch.setattr(admission.rqjobs, "peek", lambda *a: looks.append(1) or [])
+    clock = [100.0]
+    monkeypatch.setattr(admission.time, "monotonic", lambda: clock[0])
+    policy.admit()
+    clock[0] += 2 * admission.ADMIT_EVERY_S
+    policy.admit()
+    assert len(looks) == 1  # no look 10 ms later: nothing could join
+    clock[0] += admission.FULL_LOOK_S
+    policy.admit()
+    assert len(looks) == 2  # but one every FULL_LOOK_S, for a transcription
+    floor.max_batch = 2  # a place freed (a request ended): the scheduler asks for a look at once
+    policy.look_now()
+    policy.admit()
+    clock[0] += 2 * admission.ADMIT_EVERY_S
+    policy.admit()
+    assert len(looks) == 4  # and with room, every ADMIT_EVERY_S again
