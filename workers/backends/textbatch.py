@@ -355,7 +355,8 @@ class TextBatch:
         they took to leave the batch and to be kept (for the slow-step log)."""
         began = time.monotonic()
         tokens = self.decoder.step()
-        self.spent["engine"] += time.monotonic() - began
+        if log.isEnabledFor(logging.DEBUG):
+            self.spent["engine"] += time.monotonic() - began
         finished = [out.key for out in tokens if out.key.advance(out.token, out.finish_reason, out.logprobs)]
         if not finished:
             return 0.0, 0.0
