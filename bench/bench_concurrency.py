@@ -1,7 +1,8 @@
 """Concurrency benchmark: N streaming chats at once, mlxq vs mlx_lm.server vs the engine, one run.
 
 For each N, workload and contestant, N requests of `--max-tokens` tokens, each with a prompt of its
-own, all start together. Workloads (`--workloads`, default all three), side by side in the report:
+own, all start together; each round's prompts are new (as users' chats are: a prompt cache has not seen
+them), or with `--repeat-prompts` the same every round (a round of prompt-cache hits). Workloads (`--workloads`, default all three), side by side in the report:
 greedy (temperature 0); sampled (temperature `--temperature`, nothing else); mixed (request i takes
 the i-th of MIX in turn: greedy, temperature 1, top_p, top_k, a repetition and a presence penalty,
 a seed). Contestants: mlxq and mlx_lm.server over HTTP (streaming chats, one body for both), and
@@ -28,12 +29,13 @@ With `--control` a second mlx_lm.server runs beside the first: how far two ident
 apart in one run is how finely the run resolves a difference between mlxq and mlx_lm.server.
 
     python bench/bench_concurrency.py --model DIR [--n 1,8,32,64] [--max-tokens 128] [--rounds 3]
-        [--workloads greedy,sampled,mixed] [--temperature 0.7] [--no-direct] [--control]
+        [--workloads greedy,sampled,mixed] [--temperature 0.7] [--no-direct] [--control] [--repeat-prompts]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -72,11 +74,20 @@ MLX_LM_SERVER_NOTES = [
 ]
 
 
+ROUNDS = itertools.count()
+ROUND_TAG = ""
+"""The round's mark in every prompt (`--repeat-prompts`: none): users send new chats, so each round's prompts are
+new to the servers' prompt caches; the same prompts every round measure a round of cache hits instead."""
+
+
 def messages(index: int) -> list[dict]:
-    """Request `index`'s chat: a prompt of its own."""
-    return [{"role": "user", "content": f"Request {index}: write a long story about "
+    """Request `index`'s chat: a prompt of its own (in this round)."""
+    return [{"role": "user", "content": f"Request {index}{ROUND_TAG}: write a long story about "
                                         f"{TOPICS[index % len(TOPICS)]}, number {index}."}]
 
+
+REPEAT_PROMPTS = False
+"""Whether every round sends the same prompts (`--repeat-prompts`)."""
 
 SAMPLED_TOP_P = 1.0
 """The sampled workload's top_p (`--top-p`; 1: none)."""
@@ -232,6 +243,9 @@ def shared_sampler(workload: str, temperature: float):
 
 def run_round(contestant, workload: str, n: int, max_tokens: int, temperature: float) -> dict:
     """One round of a workload on a server (over HTTP) or on the direct engine."""
+    global ROUND_TAG
+    if not REPEAT_PROMPTS:
+        ROUND_TAG = f" of round {next(ROUNDS)}"
     if isinstance(contestant, DirectBatch):
         return contestant.round(workload, n, max_tokens, temperature)
     return round_of(contestant, workload, n, max_tokens, temperature)
@@ -368,11 +382,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--profile-idle", action="store_true",
                         help="with --profile, keep idle samples too (a thread waiting for Redis, the GIL or the device)")
     parser.add_argument("--web-workers", type=int, default=2, help="mlxq's gunicorn processes (`mlxq up`'s default: 2)")
+    parser.add_argument("--repeat-prompts", action="store_true",
+                        help="the same prompts every round (prompt-cache hits after the first); default: new ones each round")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     args.also_stream_interval_ms = None  # (bench_text's shorthand, read by other_mlxq_settings)
-    global SAMPLED_TOP_P
-    SAMPLED_TOP_P = args.top_p
+    global SAMPLED_TOP_P, REPEAT_PROMPTS
+    SAMPLED_TOP_P, REPEAT_PROMPTS = args.top_p, args.repeat_prompts
     unknown = set(args.workloads.split(",")) - set(WORKLOADS)
     if unknown:
         parser.error(f"--workloads: unknown {', '.join(sorted(unknown))} (choose from {', '.join(WORKLOADS)})")
