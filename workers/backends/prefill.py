@@ -131,6 +131,8 @@ class Prompt:
             start.cache, start.in_pass, start.fed = None, self.together, list(self.fed)
             self.together = None  # handed on: the decode batch may take the pass's cache as its own
             return self.starts
+        if self.together is not None:  # its row cut out now and computed: the choices' copies keep no pass alive
+            mx.eval([c.state for c in self.cache])
         for i, start in enumerate(self.starts):
             start.cache = self.cache if i == len(self.starts) - 1 else copy.deepcopy(self.cache)
             start.fed = list(self.fed)
