@@ -113,7 +113,8 @@ class Scheduler:
     def step(self) -> bool:
         """Take jobs that can start, then run one piece of work; False if there was nothing to do."""
         began = time.monotonic()
-        busy = bool(self._running)  # (with nothing running, admission waits for work: not the loop's time)
+        timing = log.isEnabledFor(logging.DEBUG)  # the loop's DEBUG summary (_log_spent)
+        busy = timing and bool(self._running)  # (with nothing running, admission waits for work: not the loop's)
         took = not self.stopping and self.admission.admit()
         now = time.monotonic()
         if busy:
@@ -128,7 +129,7 @@ class Scheduler:
             self._step_batch(unit)
         else:
             self._advance(unit)
-        if log.isEnabledFor(logging.DEBUG):
+        if timing:
             self._log_spent(began, busy)
         return True
 
@@ -239,7 +240,8 @@ class Scheduler:
         if ended:
             batch.flush()  # their deltas, handed to the publishing thread, go out before their ends
         self._end_many(ended)
-        self._spent["ending"] += time.monotonic() - now
+        if log.isEnabledFor(logging.DEBUG):
+            self._spent["ending"] += time.monotonic() - now
         if not len(batch):
             self._drop_batch(batch)
 

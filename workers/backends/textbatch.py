@@ -38,7 +38,7 @@ from workers.backends import prefill, prepare, quantized_kv, reasoning, sampling
 from workers.backends.base import Outcome
 from workers.backends.choice import Member, Sequence
 from workers.backends.decoding import DecodeBatch, Joining
-from workers.backends.prefill import Prompt, Start
+from workers.backends.prefill import Prompt, Start, Together
 from workers.backends.prompt_disk import DISK_MIN_TOKENS, in_memory, namespace_for
 from workers.backends.publishing import BackgroundPublisher
 from workers.backends.text import choice_events
@@ -396,11 +396,11 @@ class TextBatch:
         self.ready = [start for start in self.ready if start not in joining]
         # The choices of prompts processed in one pass join with that pass's batch cache as it is, when all
         # of them join now; the others with caches of their own (cut out of it where they still are in one).
-        passes: dict[int, list] = {}
+        passes: dict[Together, list[Start]] = {}
         for start in joining:
             if start.in_pass is not None:
-                passes.setdefault(id(start.in_pass[0]), []).append(start)
-        whole = [starts for starts in passes.values() if len(starts) == starts[0].in_pass[0].rows > 1]
+                passes.setdefault(start.in_pass[0], []).append(start)
+        whole = [starts for together, starts in passes.items() if len(starts) == together.rows > 1]
         in_whole = {start for starts in whole for start in starts}
         for starts in whole:
             together = starts[0].in_pass[0]
