@@ -74,10 +74,10 @@ def metric_key(metric: Metric) -> str:
 
 def record(conn: redis.Redis, samples: list[tuple[Metric, tuple, float]]) -> None:
     """Add samples, each (metric, label values, value), in one round trip: a counter grows by the value,
-    a histogram observes it."""
+    a histogram observes it. They land together (MULTI/EXEC): a scrape sees all of a job's samples or none."""
     if not samples:
         return
-    with conn.pipeline(transaction=False) as pipe:
+    with conn.pipeline(transaction=True) as pipe:
         for metric, labels, value in samples:
             prefix, key = json.dumps([str(v) for v in labels]), metric_key(metric)
             if metric.kind == "counter":
@@ -98,8 +98,13 @@ class RedisCollector:
 
     def collect(self):
         """Yield every metric family (prometheus_client calls this on each scrape)."""
-        for metric in METRICS:
-            fields = self.conn.hgetall(metric_key(metric))
+        # One snapshot of every series (MULTI/EXEC): read one by one, a job recorded between two reads showed
+        # in one metric and not yet in another (its duration counted, its queue wait not).
+        with self.conn.pipeline(transaction=True) as pipe:
+            for metric in METRICS:
+                pipe.hgetall(metric_key(metric))
+            snapshot = pipe.execute()
+        for metric, fields in zip(METRICS, snapshot, strict=True):
             yield (_counter if metric.kind == "counter" else _histogram)(metric, fields)
         yield from self._queues()
         yield from self._workers()
