@@ -133,6 +133,11 @@ class DecodeBatch:
         with mx.stream(self.stream):
             current, current_logprobs = self.inputs, self.input_logprobs
             logits = self.model(current[:, None], cache=self.cache)[:, -1, :]
+            if self.sampler.reads_inputs:
+                # A grammar's mask needs the last tokens on the host: the forward pass is queued first, so the
+                # device computes it while the host reads them and works out the masks (queued after them, the
+                # device waited for the whole pass to be queued, a host-bound step's most of it).
+                mx.async_eval(logits)
             logits = self.sampler.process(logits, current, [True] * len(self.slots))
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             self.inputs = self.sampler.sample(logprobs)

@@ -93,6 +93,11 @@ class BatchSampler:
     def __len__(self) -> int:
         return len(self.rows)
 
+    @property
+    def reads_inputs(self) -> bool:
+        """Whether `process` reads the step's input tokens back on the host (a row's grammar needs them)."""
+        return any(r.grammar is not None for r in self.rows)
+
     def extend(self, rows: list[Row], contexts: list[list[int]], drawn: int = 0) -> None:
         """Add rows; `contexts` are the tokens each has seen (for the repetition penalty's window), `drawn`
         the draws each has made elsewhere (a first token drawn from its prompt's pass)."""
