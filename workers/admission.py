@@ -73,6 +73,9 @@ class Floor(Protocol):
     def begin(self, job: Job, queue: Queue) -> None:
         """Start a job taken off `queue` (or fail it, if it cannot run)."""
 
+    def begin_many(self, jobs: list[Job], queue: Queue) -> None:
+        """Start jobs taken together off `queue` (each as `begin`)."""
+
 
 class Admission:
     """Takes jobs off the queues when they can join, and picks the next piece of work."""
@@ -109,8 +112,9 @@ class Admission:
                     if job is not None:
                         self.floor.begin(job, queue)
                         took = True
-            for job in rqjobs.claim_many(queue, text):
-                self.floor.begin(job, queue)
+            claimed = rqjobs.claim_many(queue, text)
+            if claimed:
+                self.floor.begin_many(claimed, queue)
                 took = True
         return took
 

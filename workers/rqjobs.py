@@ -84,11 +84,21 @@ def logical_id(job: Job) -> str:
 
 def start(job: Job, worker_name: str) -> Execution:
     """Record the job started by `worker_name` (status, started registry, execution)."""
-    with job.connection.pipeline() as pipe:
-        job.prepare_for_execution(worker_name, pipe)
-        execution = Execution.create(job, HEARTBEAT_TTL_S, pipeline=pipe, worker_name=worker_name)
+    return start_many([job], worker_name)[0]
+
+
+def start_many(jobs: list[Job], worker_name: str) -> list[Execution]:
+    """Record these jobs started by `worker_name`, in one round trip however many (a burst of chats taken
+    together: one each cost the worker's loop a round trip per job before anyone's first token)."""
+    if not jobs:
+        return []
+    with jobs[0].connection.pipeline() as pipe:
+        executions = []
+        for job in jobs:
+            job.prepare_for_execution(worker_name, pipe)
+            executions.append(Execution.create(job, HEARTBEAT_TTL_S, pipeline=pipe, worker_name=worker_name))
         pipe.execute()
-    return execution
+    return executions
 
 
 def heartbeat(running: list[tuple[Job, Execution]]) -> None:

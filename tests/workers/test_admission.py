@@ -44,6 +44,10 @@ class Floor:
     def begin(self, job, queue) -> None:
         self.begun.append((job.id, queue.name))
 
+    def begin_many(self, jobs, queue) -> None:
+        for job in jobs:
+            self.begin(job, queue)
+
 
 def _task(kind: str) -> SimpleNamespace:
     return SimpleNamespace(request=SimpleNamespace(kind=kind))

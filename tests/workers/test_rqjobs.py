@@ -49,6 +49,24 @@ def test_a_job_is_started_heartbeaten_then_finished_with_its_return_value(redis_
     assert sorted(taken.finished_job_registry.get_job_ids()) == ["job-1", "job-other"]
 
 
+def test_jobs_claimed_together_are_started_together_as_one_would_be(redis_conn, settings):
+    for i in range(3):
+        _queued(redis_conn, settings, f"job-burst-{i}")
+    queue = queues.get_queue(queues.INTERACTIVE, redis_conn)
+    jobs = rqjobs.claim_many(queue, [f"job-burst-{i}" for i in range(3)])
+    executions = rqjobs.start_many(jobs, "worker-a")
+    assert len({e.id for e in executions}) == 3
+    for job, execution in zip(jobs, executions, strict=True):
+        fetched = queues.fetch_job(redis_conn, job.id)
+        assert fetched.get_status() == JobStatus.STARTED and fetched.worker_name == "worker-a"
+        assert execution.job_id == job.id
+    assert sorted(jobs[0].started_job_registry.get_job_ids(cleanup=False)) == [f"job-burst-{i}" for i in range(3)]
+    for job, execution in zip(jobs, executions, strict=True):
+        rqjobs.succeed(job, execution, None)
+    assert jobs[0].started_job_registry.get_job_ids(cleanup=False) == []
+    assert rqjobs.start_many([], "worker-a") == []
+
+
 def test_a_failed_job_keeps_its_reason(redis_conn, settings):
     _queued(redis_conn, settings, "job-2")
     taken, _ = rqjobs.take([queues.get_queue(queues.INTERACTIVE, redis_conn)], redis_conn)
