@@ -674,6 +674,7 @@ def test_a_request_being_prepared_does_not_hold_up_the_batch(redis_conn, setting
         return real_prepare(self, request)
 
     monkeypatch.setattr(textbatch.TextBatch, "_prepare", slow_prepare)
+    monkeypatch.setattr(prepare, "LIGHT_CHARS", 0)  # prepared on a thread, as a long prompt or many tools are
     first = chat(settings, QUESTIONS[2])
     slow = chat(settings, QUESTIONS[1], max_tokens=4)
     submit(redis_conn, settings, first)

@@ -1,0 +1,40 @@
+"""Which text requests are prepared at once on the MLX thread, and which on the preparing threads."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from workers.backends import prepare
+
+
+def _request(text: str = "Name a colour.", tools=None, grammar=None) -> SimpleNamespace:
+    return SimpleNamespace(tools=tools, sampling=SimpleNamespace(grammar=grammar),
+                           inputs=[[{"role": "user", "content": text}]])
+
+
+def test_a_short_chat_is_light_and_tools_a_grammar_or_long_text_are_not():
+    assert prepare.light(_request())
+    assert not prepare.light(_request(tools=[{"type": "function", "function": {"name": "f"}}]))
+    assert not prepare.light(_request(grammar={"json_schema": {}}))
+    assert not prepare.light(_request("word " * prepare.LIGHT_CHARS))
+
+
+def test_a_light_request_is_prepared_on_the_calling_thread_and_its_error_kept():
+    threads = []
+
+    def record(request):
+        threads.append(threading.current_thread())
+        if request.inputs[0][0]["content"] == "fail":
+            raise ValueError("cannot prepare")
+        return "prepared"
+
+    done = prepare.submit(record, _request())
+    assert done.done() and done.result() == "prepared" and threads == [threading.current_thread()]
+    failed = prepare.submit(record, _request("fail"))
+    with pytest.raises(ValueError, match="cannot prepare"):
+        failed.result(timeout=0)
+    heavy = prepare.submit(record, _request("word " * prepare.LIGHT_CHARS))
+    assert heavy.result(timeout=30) == "prepared" and threads[-1] is not threading.current_thread()
