@@ -248,6 +248,13 @@ class Scheduler:
         self._end_many(ended)
         if log.isEnabledFor(logging.DEBUG):
             self._spent["ending"] += time.monotonic() - now
+        try:
+            batch.keep_left()  # the caches of the sequences that left, once their answers are out
+        except REDIS_DOWN:
+            raise
+        except Exception:  # noqa: BLE001 (a cache not kept is a prompt processed again later; nobody waits on it)
+            log.exception("the caches of finished sequences could not be kept")
+            batch.leaving = []
         if not len(batch):
             self._drop_batch(batch)
 

@@ -588,7 +588,7 @@ def test_leaving_rows_keep_the_caches_mlx_lm_would_extract(worker_parts, setting
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from workers.backends.decoding import DecodeBatch, Joining
+    from workers.backends.decoding import DecodeBatch, Joining, kept_rows
     from workers.backends.sampling import Row
 
     models, _ = worker_parts
@@ -613,6 +613,18 @@ def test_leaving_rows_keep_the_caches_mlx_lm_would_extract(worker_parts, setting
             assert mine.offset == theirs.offset == len(fed)
             assert mx.array_equal(mine.keys, theirs.keys).item() and mx.array_equal(mine.values, theirs.values).item()
     assert len(decoder) == 1 and decoder.slots[0].key is keys[1]
+    # The last one leaves with the batch's cache as it is, for its row to be cut after its answer is out.
+    decoder.insert_many([Joining(keys[0], kept[0][0], kept[0][1], 7, 100, Row())])
+    decoder.step()
+    mx.eval(decoder.inputs)
+    expected = [[c.extract(i) for c in decoder.cache] for i in range(2)]
+    cache, batched, fed = decoder.clear()
+    assert batched and len(decoder) == 0 and decoder.cache == [] and decoder.inputs is None
+    assert [len(f) for f in fed] == [11 + 4, 3 + 3 + 1]
+    for row, cut in enumerate(kept_rows(cache, [0, 1])):
+        for mine, theirs in zip(cut, expected[row], strict=True):
+            assert mine.offset == theirs.offset == len(fed[row])
+            assert mx.array_equal(mine.keys, theirs.keys).item() and mx.array_equal(mine.values, theirs.values).item()
 
 
 def test_rows_of_every_cache_kind_leave_as_their_own_extract_cuts_them():

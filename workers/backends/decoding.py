@@ -164,6 +164,15 @@ class DecodeBatch:
         vector = logprobs[row] if slot.logprobs and logprobs is not None else None
         return Token(slot.key, token, finish, vector)
 
+    def clear(self) -> tuple[list, bool, list[list[int]]]:
+        """Take every sequence out: (the cache as it is, whether it is a batch cache, the tokens each row holds),
+        for the caller to cut rows from when it likes (`kept_rows`: nothing touches these layers again)."""
+        left = (self.cache, self.batched, [list(slot.fed) for slot in self.slots])
+        self.slots = []
+        self.sampler.keep([])
+        self.cache, self.batched, self.inputs, self.input_logprobs = [], False, None, None
+        return left
+
     def remove(self, keys: list, keep_caches: bool = False) -> list[tuple[list, list[int]]]:
         """Take sequences out; with `keep_caches`, return (cache, the tokens in it) of each."""
         gone = set(map(id, keys))
