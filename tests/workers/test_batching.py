@@ -522,6 +522,21 @@ def test_a_turn_of_prompt_processing_goes_to_a_request_with_nothing_started_its_
     # Long prompts in arrival order, a chunk at a time; the big request's only when none is left.
     assert [(p.order, n) for p, n in plan(prompts[:4], started, 512)] == [(1, 512)]
     assert [(p.order, n) for p, n in plan([prompts[0], prompts[2]], started, 512)] == [(0, 30), (2, 30)]
+    # With room for a burst the same: the long prompts and the big request's stay out of a turn of new ones.
+    assert [(p.order, n) for p, n in plan(prompts, started, 512, 4096)] == [(4, 40)]
+
+
+def test_a_burst_of_new_short_prompts_takes_one_turn_past_the_chunk_and_a_long_prompt_still_a_chunk():
+    chats = [Prompt(object(), [], [], [], list(range(50)), i) for i in range(40)]  # 2,000 tokens, all new
+    long_one = Prompt(object(), [], [], [], list(range(3000)), 40)
+    under_way = Prompt(object(), [], [], [], list(range(60)), 41)
+    under_way.turns = 1  # a prompt whose processing has begun is not part of a burst
+    turn = plan([*chats, long_one, under_way], Counter(), 512, 4096)
+    assert [(p.order, n) for p, n in turn] == [(i, 50) for i in range(40)]
+    assert [(p.order, n) for p, n in plan(chats, Counter(), 512, 1000)] == [(i, 50) for i in range(20)]
+    assert [(p.order, n) for p, n in plan(chats, Counter(), 512)] == [(i, 50) for i in range(10)]  # no burst room
+    assert [(p.order, n) for p, n in plan([long_one, *chats[:2]], Counter(), 512, 4096)] == [(0, 50), (1, 50)]
+    assert [(p.order, n) for p, n in plan([long_one], Counter(), 512, 4096)] == [(40, 512)]
 
 
 def test_a_prompt_too_long_to_fit_is_refused_from_its_length_before_it_is_tokenized(worker_parts, settings):

@@ -234,21 +234,28 @@ def row_cache(layer: BatchKVCache | BatchQuantizedKVCache, row: int, start: int,
     return cache
 
 
-def plan(prompts: list[Prompt], started: Counter, chunk: int) -> list[tuple[Prompt, int]]:
-    """The next turn: (prompt, tokens to process) pairs, at most `chunk` tokens in all.
+def plan(prompts: list[Prompt], started: Counter, chunk: int, burst: int = 0) -> list[tuple[Prompt, int]]:
+    """The next turn: (prompt, tokens to process) pairs, at most `chunk` tokens in all, or `burst` when every
+    prompt in it is new and whole.
 
     `started` counts each request's choices that decode or are ready to. The first prompt in the
     order gets a chunk (or what it has left). Whole prompts that fit in what remains of the turn
     follow, from requests as far along as its own: many short prompts take one turn, a long one is
     cut where it would be alone, and a new request's turn is not lengthened by an older one's.
+    New whole prompts share a turn of up to `burst` tokens: the batch processes them in turns back to back
+    anyway (a new prompt that one turn finishes goes at once), and each turn costs a host-bound device its
+    fixed ~10 ms (H100, 1B shape: 64 prompts of ~53 tokens in one pass 23–38 ms, in seven 512-token turns ~80).
     """
     ordered = sorted(prompts, key=lambda p: (started[p.task] > 0, p.left > chunk, p.order))
     if not ordered:
         return []
     first = ordered[0]
     turn = [(first, min(chunk, first.left))]
-    room = chunk - turn[0][1]
+    fresh = first.left <= chunk and not first.turns
+    room = max(chunk, burst if fresh else 0) - turn[0][1]
     for prompt in ordered[1:]:
+        if fresh and (prompt.turns or prompt.left > chunk):  # a burst's turn is of new short prompts only
+            continue
         if 0 < prompt.left <= room and (started[prompt.task] > 0) == (started[first.task] > 0):
             turn.append((prompt, prompt.left))
             room -= prompt.left

@@ -52,6 +52,10 @@ SLOW_STEP_S = 0.1
 PREFILL_CHUNK = 512
 """Prompt tokens processed per turn: how long a new prompt may hold up the others' next token."""
 
+BURST_TOKENS = 4096
+"""Prompt tokens one turn may process when they are all new prompts that it finishes (a burst of chats): as
+many as MERGE_BYTES lets one pass hold. A long prompt still goes PREFILL_CHUNK at a time."""
+
 MERGE_BYTES = 256 * 2**20
 """At most this much padded KV cache for the prompts processed in one pass: merging copies their cached
 prefixes (a long shared system prompt times 32 prompts would be gigabytes, briefly)."""
@@ -287,7 +291,7 @@ class TextBatch:
         started = decoding + Counter(start.task for start in self.ready)
         room = sum(started.values()) < self.max_batch  # a request with nothing started may always start
         eligible = [p for p in self.prefilling if room or not started[p.task]]
-        turn = prefill.plan(eligible, started, PREFILL_CHUNK)
+        turn = prefill.plan(eligible, started, PREFILL_CHUNK, min(BURST_TOKENS, MERGE_BYTES // max(1, self.kv_per_token)))
         if not turn or not decoding:
             return turn
         first, tokens = turn[0]
