@@ -183,16 +183,12 @@ def test_requests_decode_together_and_each_gives_what_it_gives_alone(redis_conn,
         assert texts(done(redis_conn, request.id)) == texts(alone(request))
 
 
-@pytest.mark.parametrize("padded", [False, True])  # as on a CPU; as on a GPU (rounded pass shapes, rows added)
 def test_a_burst_of_chats_joins_the_decoder_as_its_prompt_pass_left_it(redis_conn, settings, worker_parts, alone,
-                                                                      monkeypatch, padded):
+                                                                      monkeypatch):
     # Chats that arrive together are processed in one pass; with one choice each, the decoder takes that
     # pass's batch cache as it is (no row cut out and merged again) and each still gives what it gives alone.
-    from workers.backends import prefill
     from workers.backends.decoding import DecodeBatch
     from workers.backends.prefill import Together
-
-    monkeypatch.setattr(prefill, "PAD_SHAPES", padded)
 
     requests = [chat(settings, QUESTIONS[i % len(QUESTIONS)], **mixed) for i, mixed in enumerate(MIXED)]
     joins, cut = [], []
@@ -205,7 +201,6 @@ def test_a_burst_of_chats_joins_the_decoder_as_its_prompt_pass_left_it(redis_con
     scheduler(redis_conn, settings, worker_parts, max_batch=16).run()
     monkeypatch.undo()
     assert sum(n for n, whole in joins if whole) >= 2 and not cut, (joins, cut)
-    assert max(n for n, _ in joins) <= len(requests)  # the rows added to round a pass up never join
     assert all(whole or n <= 1 for n, whole in joins), joins  # a lone prompt is processed on its own
     for request in requests:
         assert texts(done(redis_conn, request.id)) == texts(alone(request))
@@ -556,22 +551,18 @@ def test_a_prompt_too_long_to_fit_is_refused_from_its_length_before_it_is_tokeni
     assert len(textgen.prompt_ids(tokenizer, [{"role": "user", "content": "Hi"}], None, 8192)) < 40
 
 
-@pytest.mark.parametrize("padded", [False, True])  # as on a CPU; as on a GPU (rounded shapes, one row added)
 def test_whole_prompts_that_share_a_turn_are_processed_in_one_pass_as_they_would_be_alone(
-        worker_parts, settings, monkeypatch, padded):
+        worker_parts, settings, monkeypatch):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from workers.backends import prefill
     from workers.backends.prefill import feed_together
 
     models, _ = worker_parts
     resident = models.get(ref(settings))
     tokenizer = resident.processor
-    count = 3 if padded else 4
-    ids = [tokenizer.encode(f"Story {i}: once upon a time" + ", by the river" * i) for i in range(count)]
-    cached = [0, 5, 0, 12][:count]  # some of them resume from a cached prefix of their own length
-    monkeypatch.setattr(prefill, "PAD_SHAPES", padded)
+    ids = [tokenizer.encode(f"Story {i}: once upon a time" + ", by the river" * i) for i in range(4)]
+    cached = [0, 5, 0, 12]  # two of them resume from a cached prefix of their own length
 
     def prompts():
         out = [Prompt(None, [], make_prompt_cache(resident.model), [], list(i), n) for n, i in enumerate(ids)]
@@ -591,11 +582,9 @@ def test_whole_prompts_that_share_a_turn_are_processed_in_one_pass_as_they_would
     monkeypatch.setattr(embedding, "as_linear", lambda self, x: heads.append(x.shape[:2]) or head(self, x))
     together_logits = feed_together(resident.model, together)
     monkeypatch.undo()
-    # One pass, padded to the longest part left (rounded up to 32 tokens and 4 rows where shapes are rounded);
-    # the output layer on each prompt's last token only.
-    longest = max(len(i) - n for i, n in zip(ids, cached, strict=True))
-    assert calls == [(4, -(-longest // 32) * 32 if padded else longest)]
-    assert heads == [(4, 1)] and together_logits.shape[0] == count
+    # One pass, padded to the longest part left; the output layer on each prompt's last token only.
+    assert calls == [(4, max(len(i) - n for i, n in zip(ids, cached, strict=True)))]
+    assert heads == [(4, 1)]
     for a, b, logits_a, logits_b in zip(alone_ones, together, alone_logits, together_logits, strict=True):
         assert (a.fed, a.rest, a.cache[0].offset) == (b.fed, b.rest, b.cache[0].offset) and not b.rest
         # The same next-token distribution as processed alone (padding is masked, positions kept), and

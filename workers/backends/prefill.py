@@ -190,12 +190,9 @@ def feed_together(model, prompts: list[Prompt]) -> mx.array:
     hides all padding and per-row offsets keep every row's positions as they would be alone.
     """
     parts = [prompt.rest for prompt in prompts]
-    caches = [prompt.cache for prompt in prompts]
-    width, rows = padded_shape(len(parts), max(len(part) for part in parts), caches)
-    extra = rows - len(parts)  # rows of one token each, dropped after the pass (`padded_shape`)
-    parts, caches = parts + [[0]] * extra, caches + [[KVCache() for _ in caches[0]] for _ in range(extra)]
+    width = max(len(part) for part in parts)
     padding = [width - len(part) for part in parts]
-    cache = [type(layer[0]).merge(list(layer)) for layer in zip(*caches, strict=True)]
+    cache = [type(layer[0]).merge(list(layer)) for layer in zip(*(prompt.cache for prompt in prompts), strict=True)]
     if any(padding):
         for layer in cache:
             layer.prepare(lengths=[len(part) for part in parts], right_padding=padding)
@@ -204,11 +201,6 @@ def feed_together(model, prompts: list[Prompt]) -> mx.array:
     if any(padding):
         for layer in cache:
             layer.finalize()
-    if extra:
-        logits, parts, padding = logits[:len(prompts)], parts[:len(prompts)], padding[:len(prompts)]
-        for layer in cache:  # the real rows, their padding as it is (mlx-lm's `filter` would trim it)
-            layer.keys, layer.values = layer.keys[:len(prompts)], layer.values[:len(prompts)]
-            layer.offset, layer.left_padding = layer.offset[:len(prompts)], layer.left_padding[:len(prompts)]
     # Each row's keys and values start after its padding: the cached prefixes were aligned on the
     # longest, the right padding rolled to the front. Computed here, once: BatchKVCache.extract reads
     # the padding back from the device for every row and layer (512 waits for 32 prompts, 0.2-0.3 s
@@ -229,26 +221,6 @@ def feed_together(model, prompts: list[Prompt]) -> mx.array:
     mx.eval(logits, [[layer.keys, layer.values, layer.offset, layer.left_padding] for layer in cache] if whole
             else [c.state for prompt in prompts for c in prompt.cache])
     return logits
-
-
-PAD_SHAPES: bool | None = None
-"""Whether a pass's shape is rounded up (`padded_shape`; None: on a GPU). On a GPU, MLX's first pass of each new shape cost
-10–60 ms more than the next (H100, 2026-11-27, bench/device/prefill_probe.py: 12 × 53 tokens 59 ms, then 14),
-and a burst of chats met a new one nearly every turn; rounded, the shapes recur. A CPU has no such cost."""
-
-PAD_WIDTH = 32
-"""A padded pass's length is a multiple of this."""
-
-
-def padded_shape(rows: int, width: int, caches: list[list]) -> tuple[int, int]:
-    """The (width, rows) a pass of `rows` prompts up to `width` tokens runs at: rounded up on a GPU (rows to
-    a power of two up to 8, then to a multiple of 8; the length to a multiple of PAD_WIDTH), as it is elsewhere
-    or when a cache is not a plain one (added rows start from empty plain caches)."""
-    pad = PAD_SHAPES if PAD_SHAPES is not None else mx.default_device() == mx.gpu
-    if not pad or rows == 1 or not all(type(layer) is KVCache for cache in caches for layer in cache):
-        return width, rows
-    rounded = 1 << (rows - 1).bit_length() if rows <= 8 else -(-rows // 8) * 8
-    return -(-width // PAD_WIDTH) * PAD_WIDTH, rounded
 
 
 def row_cache(layer: BatchKVCache | BatchQuantizedKVCache, row: int, start: int, end: int) -> KVCache | QuantizedCache:
