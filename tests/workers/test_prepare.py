@@ -16,10 +16,12 @@ def _request(text: str = "Name a colour.", tools=None, grammar=None) -> SimpleNa
 
 
 def test_a_short_chat_is_light_and_tools_a_grammar_or_long_text_are_not():
-    assert prepare.light(_request())
-    assert not prepare.light(_request(tools=[{"type": "function", "function": {"name": "f"}}]))
-    assert not prepare.light(_request(grammar={"json_schema": {}}))
-    assert not prepare.light(_request("word " * prepare.LIGHT_CHARS))
+    chars = prepare.LIGHT_CHARS
+    assert prepare.light(_request(), chars)
+    assert not prepare.light(_request(tools=[{"type": "function", "function": {"name": "f"}}]), chars)
+    assert not prepare.light(_request(grammar={"json_schema": {}}), chars)
+    assert not prepare.light(_request("word " * chars), chars)
+    assert not prepare.light(_request("Name a colour."), 10)  # a lower limit (the disk tier's)
 
 
 def test_a_light_request_is_prepared_on_the_calling_thread_and_its_error_kept():
@@ -38,3 +40,5 @@ def test_a_light_request_is_prepared_on_the_calling_thread_and_its_error_kept():
         failed.result(timeout=0)
     heavy = prepare.submit(record, _request("word " * prepare.LIGHT_CHARS))
     assert heavy.result(timeout=30) == "prepared" and threads[-1] is not threading.current_thread()
+    over_its_limit = prepare.submit(record, _request(), light_chars=5)
+    assert over_its_limit.result(timeout=30) == "prepared" and threads[-1] is not threading.current_thread()

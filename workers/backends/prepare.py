@@ -47,9 +47,10 @@ class Prepared:
     loaded: list = field(default_factory=list)  # per prompt, its prefix read from the prompt cache's disk tier
 
 
-def submit(prepare: Callable, request) -> Future:
-    """Prepare `request` with `prepare`: a light one at once, on this thread; any other on a preparing thread."""
-    if not light(request):
+def submit(prepare: Callable, request, light_chars: int | None = None) -> Future:
+    """Prepare `request` with `prepare`: a light one (`light`, at most `light_chars` characters: LIGHT_CHARS
+    unless said) at once, on this thread; any other on a preparing thread."""
+    if not light(request, LIGHT_CHARS if light_chars is None else light_chars):
         return _THREADS.submit(prepare, request)
     future = Future()
     try:
@@ -59,10 +60,9 @@ def submit(prepare: Callable, request) -> Future:
     return future
 
 
-def light(request) -> bool:
-    """Whether a request is quick to prepare: short text, no tools, no grammar (LIGHT_CHARS)."""
-    return (not request.tools and not request.sampling.grammar
-            and textgen.text_length(request.inputs) <= LIGHT_CHARS)
+def light(request, chars: int) -> bool:
+    """Whether a request is quick to prepare: at most `chars` characters of text, no tools, no grammar."""
+    return not request.tools and not request.sampling.grammar and textgen.text_length(request.inputs) <= chars
 
 
 def prepare(request, tokenizer, vocab: int, kv_per_token: int, kv_memory: Callable[[], int]) -> Prepared:

@@ -158,7 +158,10 @@ class TextBatch:
     def add(self, task) -> None:
         """Join the batch once prepared: one sequence per input and choice (`n`). A request that cannot
         be served (too long, too big for memory, a bad grammar) ends at a step with its error."""
-        future = prepare.submit(self._prepare, task.request)
+        # With the disk tier on, a prompt long enough to have an entry there is prepared on a thread (reading the
+        # entry is part of it), never on this one.
+        light = prepare.LIGHT_CHARS if not self.disk else min(prepare.LIGHT_CHARS, DISK_MIN_TOKENS)
+        future = prepare.submit(self._prepare, task.request, light)
         self.preparing[task] = future
         self.fresh.append(future)
         if log.isEnabledFor(logging.DEBUG):
