@@ -105,6 +105,7 @@ class TextBatch:
         self.resident, self.settings, self.prompt_cache, self.models = resident, settings, prompt_cache, models
         self.kv = quantized_kv.for_model(resident.model, resident.info.path, settings)  # None: unquantized
         self.kv_per_token = kv_bytes_per_token(resident.model, resident.float32, self.kv)
+        self.burst_tokens = min(BURST_TOKENS, MERGE_BYTES // max(1, self.kv_per_token))  # a burst's turn, at most
         self.preparing: dict[object, Future] = {}  # requests being prepared, off the MLX thread
         self.fresh: list[Future] = []  # preparations submitted since the last step
         self.refused: list[tuple[object, Exception]] = []  # prepared into an error: ended at the next step
@@ -294,7 +295,7 @@ class TextBatch:
         started = decoding + Counter(start.task for start in self.ready)
         room = sum(started.values()) < self.max_batch  # a request with nothing started may always start
         eligible = [p for p in self.prefilling if room or not started[p.task]]
-        turn = prefill.plan(eligible, started, PREFILL_CHUNK, min(BURST_TOKENS, MERGE_BYTES // max(1, self.kv_per_token)))
+        turn = prefill.plan(eligible, started, PREFILL_CHUNK, self.burst_tokens)
         if not turn or not decoding:
             return turn
         first, tokens = turn[0]
