@@ -123,7 +123,8 @@ class TranscriptionRequest:
 
 @dataclass(frozen=True)
 class MultimodalRequest:
-    """A chat with images or audio in it, or any chat on a vision model: it runs alone, not in a text batch.
+    """A chat with images or audio in it, or any chat on a vision model: in the model's text batch when it can
+    (no audio, a vision model whose language part mlx-lm decodes: workers/backends/vision_batch.py), else alone.
 
     Each message's content is a string or a list of parts: {"type": "text", "text"}, {"type": "image",
     "image": i} (the i-th path of `images`) and {"type": "input_audio", "audio": i} (of `audio`). With a
@@ -142,6 +143,7 @@ class MultimodalRequest:
     is_async: bool = False
     request_id: str | None = None
     keep_alive: float | None = None  # seconds the model stays loaded once idle (negative: until evicted)
+    tools: list[dict] | None = None  # as the template renders them (a forced call's grammar is in `sampling`)
     kind: str = field(default="multimodal", init=False)
 
     @property

@@ -34,7 +34,8 @@ own queues, `interactive@a`, `batch@a`...; the web routes a model's jobs there (
 CHAT_COMPLETION = "chat_completion"
 TEXT_COMPLETION = "text_completion"
 TRANSCRIPTION = "transcription"
-MULTIMODAL_CHAT = "multimodal_chat"  # images or audio in it, or a vision model: runs alone, never batched
+MULTIMODAL_CHAT = "multimodal_chat"  # audio in it: runs alone, never batched
+VISION_CHAT = "vision_chat"  # a chat on a vision model, images or not, no audio: joins the model's text batch if it can
 CONTROL = "control"  # the admin API's load / unload / pin: runs alone, between requests
 
 

@@ -255,8 +255,11 @@ def _template_call(call: dict, index: int, j: int) -> dict:
 
 
 def chat_func(request) -> str:
-    """The RQ function name a chat request is queued under: it tells the worker whether it can batch."""
-    return queues.MULTIMODAL_CHAT if request.kind == "multimodal" else queues.CHAT_COMPLETION
+    """The RQ function name a chat request is queued under: it tells the worker whether it can batch (a chat on a
+    vision model without audio may: the worker decides once it has the model)."""
+    if request.kind != "multimodal":
+        return queues.CHAT_COMPLETION
+    return queues.VISION_CHAT if request.model.kind == "vision" and not request.audio else queues.MULTIMODAL_CHAT
 
 
 def _check_media(messages: list[dict], info: ModelInfo) -> set[str]:

@@ -51,7 +51,7 @@ as a GPU worker's default batch (64), so a burst of chats joins in one look, not
 SPEECH_TURN_S = 1.0
 """While text decodes, a transcription gets its next window after this much decoding."""
 
-TEXT_KINDS = frozenset({queues.CHAT_COMPLETION, queues.TEXT_COMPLETION})
+TEXT_KINDS = frozenset({queues.CHAT_COMPLETION, queues.TEXT_COMPLETION, queues.VISION_CHAT})
 """The RQ function names of requests that join a text batch (when their model can batch)."""
 
 
@@ -69,6 +69,9 @@ class Floor(Protocol):
 
     def solo_in(self, lane: str) -> Task | None:
         """The solo task of a lane (`interactive` or `batch`), if any."""
+
+    def held(self) -> int:
+        """How many requests taken as text wait for a solo lane (their model could not batch them)."""
 
     def begin(self, job: Job, queue: Queue) -> None:
         """Start a job taken off `queue` (or fail it, if it cannot run)."""
@@ -159,7 +162,7 @@ class Admission:
         batches = self.floor.batches()
         if any(b.waiting for b in batches):
             return 0
-        return max(0, self.floor.max_batch - sum(len(b) for b in batches))
+        return max(0, self.floor.max_batch - sum(len(b) for b in batches) - self.floor.held())
 
     def _has_room(self, queue: str) -> bool:
         """Whether a solo job (not text: `_text_room`) from `queue` can join what runs now."""

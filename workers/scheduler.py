@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 
 import redis
 from rq import Queue
@@ -34,7 +34,7 @@ from jobs.lifecycle import JobRun
 from jobs.settings import Settings
 from workers import rqjobs, worker_metrics
 from workers.admission import Admission
-from workers.backends import prompt_disk
+from workers.backends import prompt_disk, vision_batch
 from workers.backends.base import Outcome
 from workers.backends.prompt_cache import PromptCache
 from workers.backends.textbatch import TextBatch, batchable
@@ -61,6 +61,9 @@ class Scheduler:
         self.queues = {queue: queues.get_queue(queue, conn) for queue in queue_names}
         self.text: dict[str, TextBatch] = {}
         self.solo: dict[str, Task | None] = {queues.INTERACTIVE: None, queues.BATCH: None}
+        # Requests taken as text whose model could not batch them (a vision model that is not twinned), while their
+        # lane ran another: each runs when the lane frees, in order.
+        self.waiting_solo: dict[str, deque[Task]] = {queues.INTERACTIVE: deque(), queues.BATCH: deque()}
         self.prompt_cache = PromptCache(max_size=64, max_bytes=settings.prompt_cache_mb * 2**20)
         self.prompt_disk = prompt_disk.open_tier(settings)  # its disk tier (None: off, or another worker's)
         self.admission = Admission(self, conn, list(self.queues.values()), burst)
@@ -84,6 +87,10 @@ class Scheduler:
     def solo_in(self, lane: str) -> Task | None:
         """The solo task of a lane, if any."""
         return self.solo[lane]
+
+    def held(self) -> int:
+        """How many requests wait for a solo lane (taken as text, their model could not batch them)."""
+        return sum(len(line) for line in self.waiting_solo.values())
 
     def stop(self, cold: bool = False) -> None:
         """Ask the loop to stop: warm (finish text, hand back a transcription) or cold (end it all now)."""
@@ -187,7 +194,7 @@ class Scheduler:
             run.start(attempts=getattr(task.request, "attempts", 1))
             if getattr(task.request, "keep_alive", None) is not None:  # Ollama's: the latest request's sets it
                 self.models.keep_alive(model.path, task.request.keep_alive)
-            batch = self._batch_for(task.request) if task.request.kind == "text" else None
+            batch = self._batch_for(task.request) if task.request.kind in ("text", "multimodal") else None
             if batch is not None:
                 batch.add(task)
             else:
@@ -203,26 +210,34 @@ class Scheduler:
         for job, execution in zip(jobs, rqjobs.start_many(jobs, self.name), strict=True):
             self.begin(job, queue, execution)
 
-    def _batch_for(self, request: contract.TextRequest) -> TextBatch | None:
+    def _batch_for(self, request: contract.TextRequest | contract.MultimodalRequest) -> TextBatch | None:
         """The batch of the request's model and adapter, made when its first request comes (None: it cannot
-        batch). Requests with another adapter, or none, decode in batches of their own."""
-        key = batch_key(request.model.path, request.adapter.name if request.adapter else None)
+        batch). Requests with another adapter, or none, decode in batches of their own. A chat on a vision model
+        joins its model's batch when that model's language part decodes as text does (vision_batch.py) and the
+        chat has no audio in it."""
+        if request.kind == "multimodal" and (request.model.kind != "vision" or request.audio):
+            return None
+        adapter = getattr(request, "adapter", None)
+        key = batch_key(request.model.path, adapter.name if adapter else None)
         if key not in self.text:
             resident = self.models.get(request.model, pinned={str(b.resident.info.path) for b in self.text.values()},
-                                       adapter=request.adapter)
-            if not batchable(resident.model):
+                                       adapter=adapter)
+            vision = vision_batch.for_resident(resident) if request.model.kind == "vision" else None
+            if request.model.kind == "vision" and vision is None:  # its chats run alone
+                return None
+            if not batchable(vision.model if vision is not None else resident.model):
                 return None
             with self._lock:
                 self.text[key] = TextBatch(resident, self.settings, self.prompt_cache, self.max_batch, self.models,
-                                           self.prompt_disk)
+                                           self.prompt_disk, vision)
         return self.text[key]
 
     def _set_solo(self, lane: str, task: Task) -> None:
-        if self.solo[lane] is not None:  # a text request on a model that cannot batch, while another runs
-            raise JobError("the worker is busy with another request that cannot share it; retry", status=503,
-                           code="worker_busy")
         with self._lock:
-            self.solo[lane] = task
+            if self.solo[lane] is None:
+                self.solo[lane] = task
+            else:  # a text request on a model that cannot batch, while another runs: it runs next
+                self.waiting_solo[lane].append(task)
 
     # --- running pieces --------------------------------------------------------------------------
 
@@ -321,8 +336,10 @@ class Scheduler:
         with self._lock:
             self._running.discard(task)
             for lane, current in self.solo.items():
+                if task in self.waiting_solo[lane]:
+                    self.waiting_solo[lane].remove(task)
                 if current is task:
-                    self.solo[lane] = None
+                    self.solo[lane] = self.waiting_solo[lane].popleft() if self.waiting_solo[lane] else None
         for batch in list(self.text.values()):
             if task in batch.tasks:
                 batch.remove(task)

@@ -31,6 +31,10 @@ class Floor:
     text: list = field(default_factory=list)
     solo: dict = field(default_factory=lambda: {queues.INTERACTIVE: None, queues.BATCH: None})
     begun: list = field(default_factory=list)
+    waiting_solo: int = 0
+
+    def held(self) -> int:
+        return self.waiting_solo
 
     def active(self) -> list:
         return [*(t for t in self.solo.values() if t is not None), *([object()] if any(self.text) else [])]

@@ -10,18 +10,19 @@ import pytest
 from workers.backends import prepare
 
 
-def _request(text: str = "Name a colour.", tools=None, grammar=None) -> SimpleNamespace:
-    return SimpleNamespace(tools=tools, sampling=SimpleNamespace(grammar=grammar),
+def _request(text: str = "Name a colour.", tools=None, grammar=None, kind="text") -> SimpleNamespace:
+    return SimpleNamespace(kind=kind, tools=tools, sampling=SimpleNamespace(grammar=grammar),
                            inputs=[[{"role": "user", "content": text}]])
 
 
-def test_a_short_chat_is_light_and_tools_a_grammar_or_long_text_are_not():
+def test_a_short_chat_is_light_and_tools_a_grammar_long_text_or_images_are_not():
     chars = prepare.LIGHT_CHARS
     assert prepare.light(_request(), chars)
     assert not prepare.light(_request(tools=[{"type": "function", "function": {"name": "f"}}]), chars)
     assert not prepare.light(_request(grammar={"json_schema": {}}), chars)
     assert not prepare.light(_request("word " * chars), chars)
     assert not prepare.light(_request("Name a colour."), 10)  # a lower limit (the disk tier's)
+    assert not prepare.light(_request(kind="multimodal"), chars)  # its images are read on a preparing thread
 
 
 def test_a_light_request_is_prepared_on_the_calling_thread_and_its_error_kept():

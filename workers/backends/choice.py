@@ -35,6 +35,7 @@ class Sequence:
     thoughts: Thoughts | None = None  # cuts a reasoning model's thinking out of the answer
     reasoning: list[str] = field(default_factory=list)  # its thinking, piece by piece
     pending_reasoning: str = ""  # thought since its last delta went out
+    cache_key: str | None = None  # where its cache is kept when it ends (None: the batch's own key)
 
     def advance(self, token: int, finish_reason: str | None, logprobs=None) -> bool:
         """Feed one generated token (and the log-probabilities it was sampled from); True when the

@@ -6,7 +6,8 @@ transcription job), and goes into the conversation as text that says it is a tra
 text LLM can then answer questions about a recording. Images need a vision model; the web tier
 refuses them for others before anything is fetched.
 
-These requests run alone, one choice after another, not in the text batch.
+These requests run alone, one choice after another: chats with audio, and chats on a vision model whose language
+part cannot decode in the text batch. The others decode in their model's batch (workers/backends/vision_batch.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from jobs.contract import MultimodalRequest
 from workers.audio import probe
-from workers.backends import quantized_kv, reasoning, textgen, vision, whisper
+from workers.backends import quantized_kv, reasoning, textgen, toolcalls, vision, whisper
 from workers.backends.base import Outcome
 from workers.backends.text import run_choices
 
@@ -44,19 +45,23 @@ class MultimodalBackend:
         if request.model.kind == "text":
             kv = quantized_kv.for_model(resident.model, request.model.path, job.settings)
 
+            tokenizer = resident.processor
+
             def generate(conversation, index: int) -> Iterator[textgen.Piece]:
-                tokenizer = resident.processor
-                ids = textgen.chat_prompt(tokenizer, _as_text(conversation), None,
+                ids = textgen.chat_prompt(tokenizer, _as_text(conversation), request.tools,
                                           reasoning.template_kwargs(request, tokenizer))
                 plans[index] = reasoning.plan(request, tokenizer, ids)
                 return textgen.generate(resident.model, tokenizer, ids, request.sampling,
                                         request.model.context_length, kv=kv)
         else:
+            tokenizer = vision.text_tokenizer(resident.processor)
+
             def generate(conversation, index: int) -> Iterator[textgen.Piece]:
                 return vision.generate(resident.model, resident.processor, conversation, request.images, audio,
-                                       request.sampling, request.model.context_length)
+                                       request.sampling, request.model.context_length, request.tools)
         yield from run_choices(_with_inputs(request, messages), job, generate,
-                               thoughts=lambda index: reasoning.thoughts(plans.get(index)))
+                               lambda: toolcalls.for_request(request, tokenizer),
+                               lambda index: reasoning.thoughts(plans.get(index)))
 
 
 def _transcribe_all(request: MultimodalRequest, job, models):

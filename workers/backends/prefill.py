@@ -87,6 +87,7 @@ class Prompt:
     order: int
     turns: int = 0  # prompt-processing turns it has had
     together: tuple[Together, int] | None = None  # (pass, row) once processed with others, in a batch cache
+    embed: object = None  # an image chat's: its whole prompt's input embeddings, or the function that computes them
 
     @property
     def cache(self) -> list:
@@ -109,11 +110,17 @@ class Prompt:
         """Process its next `n` tokens into its cache; once that finishes the prompt, the logits (V,) at
         its last token (what its first token is drawn from)."""
         part, self.rest = self.rest[:n], self.rest[n:]
+        extra = {}
+        if self.embed is not None:  # an image chat: its embeddings in place of the ids (vision_batch.py)
+            if not isinstance(self.embed, mx.array):
+                self.embed = self.embed()  # the vision tower runs at the turn that first needs it
+            extra["input_embeddings"] = self.embed[:, len(self.fed):len(self.fed) + len(part)]
         if self.rest:  # more to come: only the cache is computed
-            model(mx.array(part)[None], cache=self.cache)
+            model(mx.array(part)[None], cache=self.cache, **extra)
             logits = None
         else:
-            logits = last_logits(model, mx.array(part)[None], self.cache, [len(part) - 1])[0]
+            logits = last_logits(model, mx.array(part)[None], self.cache, [len(part) - 1], **extra)[0]
+            self.embed = None
         mx.eval([c.state for c in self.cache], *([logits] if logits is not None else []))
         self.fed.extend(part)
         return logits
@@ -161,8 +168,9 @@ class _AtPositions(nn.Module):
         return super().__getattr__(key)
 
 
-def last_logits(model, inputs: mx.array, cache: list, positions: list[int]) -> mx.array:
-    """Run `inputs` (B, L) through the model into `cache`; the logits (B, V) at one position per row.
+def last_logits(model, inputs: mx.array, cache: list, positions: list[int], **extra) -> mx.array:
+    """Run `inputs` (B, L) through the model into `cache` (`extra`: input_embeddings in their place); the logits
+    (B, V) at one position per row.
 
     The output layer runs on those positions only where the backbone is `model.model` (mlx-lm's models,
     mostly): a chunk's full logits are its length times the vocabulary, and only one row of them is needed.
@@ -171,13 +179,13 @@ def last_logits(model, inputs: mx.array, cache: list, positions: list[int]) -> m
     if isinstance(backbone, nn.Module) and inputs.shape[1] > 1:
         model.model = _AtPositions(backbone, positions)
         try:
-            logits = model(inputs, cache=cache)
+            logits = model(inputs, cache=cache, **extra)
         finally:
             model.model = backbone
         if logits.shape[1] == 1:
             return logits[:, 0]
     else:
-        logits = model(inputs, cache=cache)
+        logits = model(inputs, cache=cache, **extra)
     return logits[mx.arange(len(positions)), mx.array(positions)]
 
 
@@ -197,7 +205,8 @@ def feed_together(model, prompts: list[Prompt]) -> mx.array:
         for layer in cache:
             layer.prepare(lengths=[len(part) for part in parts], right_padding=padding)
     inputs = mx.array([part + [0] * pad for pad, part in zip(padding, parts, strict=True)])
-    logits = last_logits(model, inputs, cache, [len(part) - 1 for part in parts])
+    extra = _embeddings(model, prompts, parts, padding) if any(p.embed is not None for p in prompts) else {}
+    logits = last_logits(model, inputs, cache, [len(part) - 1 for part in parts], **extra)
     if any(padding):
         for layer in cache:
             layer.finalize()
@@ -221,6 +230,23 @@ def feed_together(model, prompts: list[Prompt]) -> mx.array:
     mx.eval(logits, [[layer.keys, layer.values, layer.offset, layer.left_padding] for layer in cache] if whole
             else [c.state for prompt in prompts for c in prompt.cache])
     return logits
+
+
+def _embeddings(model, prompts: list[Prompt], parts: list[list[int]], padding: list[int]) -> dict:
+    """The pass's input embeddings (B, L, D), when image chats are in it: theirs (the vision tower runs now, for each
+    one, in the same evaluation), the token embeddings of the others, each padded on the right like its ids."""
+    rows = []
+    for prompt, part, pad in zip(prompts, parts, padding, strict=True):
+        if prompt.embed is not None:
+            if not isinstance(prompt.embed, mx.array):
+                prompt.embed = prompt.embed()
+            row = prompt.embed[0, len(prompt.fed):len(prompt.fed) + len(part)]
+            prompt.embed = None  # the pass finishes it
+        else:
+            row = model.model.embed_tokens(mx.array(part))
+        rows.append(mx.pad(row, [(0, pad), (0, 0)]) if pad else row)
+    dtype = rows[0].dtype
+    return {"input_embeddings": mx.stack([row.astype(dtype) for row in rows])}
 
 
 def row_cache(layer: BatchKVCache | BatchQuantizedKVCache, row: int, start: int, end: int) -> KVCache | QuantizedCache:

@@ -45,6 +45,7 @@ class Prepared:
     need: int  # bytes its KV caches may grow to
     grammar: object | None  # the compiled matcher its sequences copy (workers/backends/grammar.py)
     loaded: list = field(default_factory=list)  # per prompt, its prefix read from the prompt cache's disk tier
+    media: list = field(default_factory=list)  # per prompt, its images (workers/backends/vision_batch.py's Media)
 
 
 def submit(prepare: Callable, request, light_chars: int | None = None) -> Future:
@@ -62,7 +63,8 @@ def submit(prepare: Callable, request, light_chars: int | None = None) -> Future
 
 def light(request, chars: int) -> bool:
     """Whether a request is quick to prepare: at most `chars` characters of text, no tools, no grammar."""
-    return not request.tools and not request.sampling.grammar and textgen.text_length(request.inputs) <= chars
+    return (request.kind == "text" and not request.tools and not request.sampling.grammar
+            and textgen.text_length(request.inputs) <= chars)
 
 
 def prepare(request, tokenizer, vocab: int, kv_per_token: int, kv_memory: Callable[[], int]) -> Prepared:
@@ -73,6 +75,13 @@ def prepare(request, tokenizer, vocab: int, kv_per_token: int, kv_memory: Callab
                                  reasoning.template_kwargs(request, tokenizer))
         prompts.append((ids, textgen.token_budget(len(ids), request.sampling.max_tokens,
                                                   request.model.context_length)))
+    return checked(prompts, request, kv_per_token, kv_memory, tokenizer, vocab)
+
+
+def checked(prompts: list[tuple[list[int], int]], request, kv_per_token: int, kv_memory: Callable[[], int],
+            tokenizer, vocab: int) -> Prepared:
+    """A request whose prompts are tokenized, counted against the KV memory left (`kv_memory()`), its grammar
+    compiled."""
     need = kv_per_token * request.n * sum(len(ids) + budget for ids, budget in prompts)
     if need > kv_memory():
         raise ModelTooLarge(f"the request's KV cache may grow to {need / 2**20:.0f} MiB but the worker has "

@@ -34,7 +34,16 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 
 from jobs.contract import Choice, TextResult
 from jobs.errors import Canceled
-from workers.backends import prefill, prepare, quantized_kv, reasoning, sampling, textgen, toolcalls
+from workers.backends import (
+    prefill,
+    prepare,
+    quantized_kv,
+    reasoning,
+    sampling,
+    textgen,
+    toolcalls,
+    vision_batch,
+)
 from workers.backends.base import Outcome
 from workers.backends.choice import Member, Sequence
 from workers.backends.decoding import DecodeBatch, Joining, kept_rows
@@ -101,10 +110,13 @@ class Timeline:
 class TextBatch:
     """The text requests decoding together on one resident model."""
 
-    def __init__(self, resident, settings, prompt_cache, max_batch: int, models, disk=None):
+    def __init__(self, resident, settings, prompt_cache, max_batch: int, models, disk=None, vision=None):
         self.resident, self.settings, self.prompt_cache, self.models = resident, settings, prompt_cache, models
-        self.kv = quantized_kv.for_model(resident.model, resident.info.path, settings)  # None: unquantized
-        self.kv_per_token = kv_bytes_per_token(resident.model, resident.float32, self.kv)
+        # A vision model's chats decode on its language model's mlx-lm twin (workers/backends/vision_batch.py).
+        self.vision = vision
+        self.model = vision.model if vision is not None else resident.model
+        self.kv = quantized_kv.for_model(self.model, resident.info.path, settings)  # None: unquantized
+        self.kv_per_token = kv_bytes_per_token(self.model, resident.float32, self.kv)
         self.burst_tokens = min(BURST_TOKENS, MERGE_BYTES // max(1, self.kv_per_token))  # a burst's turn, at most
         self.preparing: dict[object, Future] = {}  # requests being prepared, off the MLX thread
         self.fresh: list[Future] = []  # preparations submitted since the last step
@@ -115,15 +127,15 @@ class TextBatch:
         # Kept caches are found by model and KV quantization: a cache of another kind never joins this batch's.
         self.cache_key = self.key if self.kv is None else f"{self.key}#kv{self.kv.bits}g{self.kv.group_size}"
         # The prompt cache's disk tier (workers/backends/prompt_disk.py), for a model whose caches it can keep.
-        self.disk_ns = disk and namespace_for(resident, self.kv, settings.adapters_dir)
+        self.disk_ns = disk and vision is None and namespace_for(resident, self.kv, settings.adapters_dir)
         self.disk = disk if self.disk_ns else None
         if self.disk:
             self.disk.register(self.cache_key, self.disk_ns)
-        self.tokenizer = resident.processor
-        self.vocab = textgen.output_size(resident.model, self.tokenizer)
+        self.tokenizer = vision.tokenizer if vision is not None else resident.processor
+        self.vocab = textgen.output_size(self.model, self.tokenizer)
         self.max_batch = max_batch
         self.stream = generation_stream
-        self.decoder = DecodeBatch(resident.model, self.vocab, set(self.tokenizer.eos_token_ids), self.stream)
+        self.decoder = DecodeBatch(self.model, self.vocab, set(self.tokenizer.eos_token_ids), self.stream)
         self._old_wired_limit = maybe_set_recommended_wired_limit()  # as mlx-lm's generators do (Metal)
         self.members: dict[object, Member] = {}
         self.prefilling: list[Prompt] = []  # prompts being processed
@@ -162,6 +174,7 @@ class TextBatch:
         # With the disk tier on, a prompt long enough to have an entry there is prepared on a thread (reading the
         # entry is part of it), never on this one.
         light = prepare.LIGHT_CHARS if not self.disk else min(prepare.LIGHT_CHARS, DISK_MIN_TOKENS)
+        # (a chat on a vision model never is light: its images are read and its template rendered on a thread)
         future = prepare.submit(self._prepare, task.request, light)
         self.preparing[task] = future
         self.fresh.append(future)
@@ -170,6 +183,8 @@ class TextBatch:
 
     def _prepare(self, request) -> prepare.Prepared:
         """The request prepared for this batch's model (on a preparing thread)."""
+        if request.kind == "multimodal":
+            return vision_batch.prepare(request, self.vision, self.vocab, self.kv_per_token, self._kv_memory)
         prepared = prepare.prepare(request, self.tokenizer, self.vocab, self.kv_per_token, self._kv_memory)
         if self.disk:  # a prefix on disk longer than the memory tier's is read here, not on the MLX thread
             prepared.loaded = [self.disk.load(self.disk_ns, ids, in_memory(self.prompt_cache, self.cache_key, ids))
@@ -212,7 +227,8 @@ class TextBatch:
                     self.prompt_cache.insert_cache(self.cache_key, loaded.tokens, loaded.cache)
             sequences = []
             for i, (ids, budget) in enumerate(prepared.prompts):
-                prompt = self._prompt(task, i, ids, budget, prepared.grammar)
+                prompt = self._prompt(task, i, ids, budget, prepared.grammar,
+                                      prepared.media[i] if prepared.media else None)
                 self._count_lookup(task, len(prompt.fed), bool(prepared.loaded and prepared.loaded[i]), len(ids))
                 sequences += [start.seq for start in prompt.starts]
                 self.prefilling.append(prompt)
@@ -310,11 +326,11 @@ class TextBatch:
         done = []  # (prompt, the logits at its last token)
         with mx.stream(self.stream):
             if together:
-                done += zip(together, prefill.feed_together(self.resident.model, together), strict=True)
+                done += zip(together, prefill.feed_together(self.model, together), strict=True)
             for prompt, tokens in turn:
                 prompt.turns += 1
                 if prompt not in together:
-                    logits = prompt.feed(self.resident.model, tokens)
+                    logits = prompt.feed(self.model, tokens)
                     if logits is not None:
                         done.append((prompt, logits))
             if done:
@@ -340,7 +356,7 @@ class TextBatch:
             finish = "stop" if token in self.decoder.eos else ("length" if start.budget <= 1 else None)
             wanted = start.task.request.sampling.logprobs is not None
             if start.seq.advance(token, finish, logprobs[row] if wanted else None):
-                ended.append((start.own_cache(), start.fed))
+                ended.append((start.own_cache(), start.fed, start.seq.cache_key))
             else:
                 start.first = token
                 self.ready.append(start)
@@ -371,9 +387,13 @@ class TextBatch:
             return 0.0
         began = time.monotonic()  # their caches serve later requests that start the same way (`keep_left`)
         if len(finished) == len(self.decoder):  # everyone leaves: the rows are cut from the cache later
-            self.leaving.append(self.decoder.clear())
+            keys = [slot.key.cache_key for slot in self.decoder.slots]
+            self.leaving.append((*self.decoder.clear(), keys))
         else:  # cut now: the rows that stay are filtered out of the same layers
-            self.leaving.append(self.decoder.remove(finished, keep_caches=True))
+            gone = set(map(id, finished))
+            keys = [slot.key.cache_key for slot in self.decoder.slots if id(slot.key) in gone]  # in the decoder's order
+            kept = self.decoder.remove(finished, keep_caches=True)
+            self.leaving.append([(cache, fed, key) for (cache, fed), key in zip(kept, keys, strict=True)])
         return time.monotonic() - began
 
     def keep_left(self) -> None:
@@ -386,8 +406,8 @@ class TextBatch:
         kept = []
         for left in self.leaving:
             if isinstance(left, tuple):  # a cache as the decoder left it, every row of it leaving
-                cache, batched, fed = left
-                kept += zip(kept_rows(cache, list(range(len(fed)))) if batched else [cache], fed, strict=True)
+                cache, batched, fed, keys = left
+                kept += zip(kept_rows(cache, list(range(len(fed)))) if batched else [cache], fed, keys, strict=True)
             else:
                 kept += left
         self.leaving = []
@@ -395,18 +415,19 @@ class TextBatch:
         if log.isEnabledFor(logging.DEBUG):
             self.spent["keeping"] += time.monotonic() - began
 
-    def _keep(self, kept: list[tuple[list, list[int]]]) -> None:
-        """Put finished sequences' caches in the prompt cache. Each is a row cut from the batch's
+    def _keep(self, kept: list[tuple[list, list[int], str | None]]) -> None:
+        """Put finished sequences' caches in the prompt cache (cache, its tokens, its key: None for the batch's
+        own, an image chat's for its images: `vision_batch.Media.namespace`). Each is a row cut from the batch's
         buffers: evaluated now, it becomes a copy of its own; left lazy, the kept entry would hold
         the whole batch's keys and values for as long as it stays (GiBs, never freed while idle).
         One evaluation for all of them: each is a wait for the device. Kept caches never crowd out
         running requests (`_trim_kept`)."""
         if not kept:
             return
-        mx.eval([c.state for cache, _ in kept for c in cache])
-        for cache, tokens in kept:
-            self.prompt_cache.insert_cache(self.cache_key, list(tokens), cache)
-            if self.disk:  # written by the disk tier's thread; the MLX thread goes on
+        mx.eval([c.state for cache, _, _ in kept for c in cache])
+        for cache, tokens, key in kept:
+            self.prompt_cache.insert_cache(key or self.cache_key, list(tokens), cache)
+            if self.disk and key is None:  # written by the disk tier's thread; the MLX thread goes on
                 self.disk.save(self.disk_ns, list(tokens), cache)
         self._trim_kept()
 
@@ -456,10 +477,12 @@ class TextBatch:
         if self.prompt_cache.nbytes:
             self.prompt_cache.trim_to(n_bytes=max(0, self._kv_memory() - sum(self.reserved.values())))
 
-    def _prompt(self, task, index: int, ids: list[int], budget: int, grammar) -> Prompt:
-        """One input of a request and its `n` choices, resuming from the longest cached prefix of it."""
+    def _prompt(self, task, index: int, ids: list[int], budget: int, grammar, media=None) -> Prompt:
+        """One input of a request and its `n` choices, resuming from the longest cached prefix of it (an image
+        chat's from one with the same images: `media`, its vision_batch.Media)."""
         request = task.request
-        cache, rest = self.prompt_cache.fetch_nearest_cache(self.cache_key, ids)
+        key = media.namespace(self.cache_key) if media is not None else None
+        cache, rest = self.prompt_cache.fetch_nearest_cache(key or self.cache_key, ids)
         if cache is not None and not rest:  # the whole prompt is cached: its last token must be fed again
             if can_trim_prompt_cache(cache):
                 trim_prompt_cache(cache, 1)
@@ -478,10 +501,13 @@ class TextBatch:
             seq = Sequence(task, index * request.n + copy, len(ids), cached, self.tokenizer.detokenizer,
                            textgen.StopBuffer(request.sampling.stop), tokenizer=self.tokenizer,
                            tools=toolcalls.for_request(request, self.tokenizer), grammar=row.grammar,
-                           thoughts=reasoning.thoughts(thinking))
+                           thoughts=reasoning.thoughts(thinking), cache_key=key)
             starts.append(Start(seq, budget, row, order))
-        cache = cache if cache is not None else quantized_kv.make_cache(self.resident.model, self.kv)
-        return Prompt(task, starts, cache, ids[:cached], list(rest), order)
+        cache = cache if cache is not None else quantized_kv.make_cache(self.model, self.kv)
+        prompt = Prompt(task, starts, cache, ids[:cached], list(rest), order)
+        if media is not None and vision_batch.has_images(rest, self.vision.image_token):
+            prompt.embed = lambda: self.vision.embeddings(ids, media)  # (not when its images are all cached)
+        return prompt
 
     def _publish_and_collect(self) -> list[tuple[object, Outcome | Exception]]:
         """Hand the deltas that are due to the publishing thread (one round trip for all); return the requests

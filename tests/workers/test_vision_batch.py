@@ -1,0 +1,49 @@
+"""The language model of a vision model as its mlx-lm twin: the same weights, the same logits, or no twin."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_vlm.models.idefics3.config import TextConfig
+from mlx_vlm.models.idefics3.language import LanguageModel
+
+from workers.backends import vision_batch
+
+
+def _language_model(**overrides) -> LanguageModel:
+    config = TextConfig(**{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                           "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+                           "vocab_size": 97, "num_hidden_layers": 2, "rope_theta": 10000.0, **overrides})
+    model = LanguageModel(config)
+    mx.eval(model.parameters())
+    return model
+
+
+def test_the_twin_holds_the_same_weights_and_computes_the_same_logits_from_embeddings():
+    theirs = _language_model()
+    twin = vision_batch.twin(theirs)
+    assert twin is not None
+    assert twin.model.layers[1].self_attn.q_proj is theirs.layers[1].self_attn.q_proj  # shared, not copied
+    assert twin.lm_head is theirs.lm_head
+    ids = mx.array([[5, 9, 2, 40, 7]])
+    embeds = theirs.embed_tokens(ids) * 0.5  # as a vision tower's features would be: not the ids' own
+    expected = theirs(ids, inputs_embeds=embeds).logits
+    assert mx.allclose(twin(ids, input_embeddings=embeds), expected, atol=1e-5).item()
+    assert vision_batch._same_logits(theirs, twin)
+
+
+def test_no_twin_for_an_architecture_mlx_lm_lacks_or_one_laid_out_differently():
+    assert vision_batch.twin(_language_model(model_type="no_such_architecture")) is None
+    odd = _language_model()
+    odd.layers[0].extra = nn.Linear(4, 4)  # a part the mlx-lm architecture does not have
+    assert vision_batch.twin(odd) is None
+
+
+def test_the_digest_names_the_image_bytes(tmp_path):
+    a, b, c = tmp_path / "a.png", tmp_path / "b.png", tmp_path / "c.jpg"
+    a.write_bytes(b"one picture")
+    b.write_bytes(b"another picture")
+    c.write_bytes(b"one picture")
+    assert vision_batch.digest([str(a)]) == vision_batch.digest([str(c)])  # the same bytes, whatever the name
+    assert vision_batch.digest([str(a)]) != vision_batch.digest([str(b)])
+    assert vision_batch.digest([str(a), str(b)]) != vision_batch.digest([str(b), str(a)])  # in order
