@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The vision benchmark on the lent GPU machine: random bf16 weights in SmolVLM-500M's shape.
-#   bench/device/vision.sh TEMPLATE_DIR OUT_DIR [bench_vision.py options...]
+#   bench/device/vision.sh TEMPLATE_DIR OUT_DIR [bench_vision.py options...]   (e.g. --concurrency 1,8,32)
 # TEMPLATE_DIR holds the toy VLM's config, tokenizer and processor files (its weights are not needed).
 set -euo pipefail
 tpl=$1; out=$2; shift 2
@@ -14,6 +14,8 @@ py=${PYTHON:-python3}
 "$py" -c "
 import json, sys
 r = json.load(open(sys.argv[1]))
+if 'concurrency' in r or 'request_speed_vs_direct' not in r:
+    sys.exit()  # --concurrency or --requests 0: bench_vision.py printed its tables (on stderr)
 for name in [n for n in ('direct', 'direct_other_process', 'mlxq', 'mlx_vlm_server') if n in r]:
     print(name, 'request_s', {k: round(v, 4) for k, v in r[name]['request_s'].items()},
           'decode_tps', {k: round(v, 1) for k, v in r[name]['decode_tps'].items()})
