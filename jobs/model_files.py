@@ -107,15 +107,16 @@ def detect_kind(config: dict) -> str:
 
 def capabilities_of(config: dict, path: Path | None = None) -> tuple[str, ...]:
     """What a model takes besides text: ("vision",), plus "audio" for models that hear (omni models);
-    "tools" for a text model whose chat template renders tool definitions in a format mlxq parses;
-    "reasoning" for one whose template has think markers (it reasons before it answers)."""
+    "tools" for a text or vision model whose chat template renders tool definitions in a format mlxq parses;
+    "reasoning" for a text model whose template has think markers (it reasons before it answers)."""
     kind = detect_kind(config)
+    tools = ("tools",) if kind in ("text", "vision") and tool_format_in(path, config) else ()
     if kind == "text":
         template = chat_template_of(path) if path is not None else None
-        return (("tools",) if tool_format_in(path, config) else ()) + (("reasoning",) if think_markers_of(template) else ())
+        return tools + (("reasoning",) if think_markers_of(template) else ())
     if kind != "vision":
         return ()
-    return ("vision", "audio") if "audio_config" in config else ("vision",)
+    return ("vision", "audio", *tools) if "audio_config" in config else ("vision", *tools)
 
 
 THINK_MARKERS = (

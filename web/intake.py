@@ -156,8 +156,6 @@ def chat_request(body: dict, job_id: str, is_async: bool = False) -> TextRequest
     messages = [_message(m, i) for i, m in enumerate(body["messages"])]
     tools = tool_plan(body, info)
     kinds = _check_media(messages, info)
-    if tools.tools and kinds:
-        raise APIError(400, "Tools cannot be combined with image or audio parts yet.", "invalid_value", "tools")
     think = thinking(body, info)
     adapter = adapter_ref(body.get("adapter"), info)
     common = {"sampling": sampling(body, info, tools.grammar), "n": body["n"] or 1, "is_async": is_async,
@@ -178,7 +176,7 @@ def chat_request(body: dict, job_id: str, is_async: bool = False) -> TextRequest
     parts = spool_parts(messages, job_id, services().settings)
     messages, images, audio = _with_media_refs(messages, parts)
     return MultimodalRequest(job_id, model_ref(info), messages, images=images, audio=audio, speech_model=speech,
-                             **common)
+                             tools=tools.tools, **common)
 
 
 EFFORT_BUDGETS = {"minimal": 128, "low": 1024, "medium": 4096, "high": None}

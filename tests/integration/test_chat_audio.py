@@ -4,6 +4,7 @@ a speech fixture: what is checked is that the transcript reaches the prompt, whi
 from __future__ import annotations
 
 import base64
+import json
 
 import openai
 import pytest
@@ -41,6 +42,22 @@ def test_text_model_answers_from_a_transcript(openai_client, clips):
     assert "coat" in with_audio.choices[0].message.content.lower()
     # The transcript (17 words) is part of the prompt the model read.
     assert with_audio.usage.prompt_tokens > without.usage.prompt_tokens + 12
+
+
+def test_a_forced_tool_call_from_a_transcript_parses(openai_client, clips):
+    tool = {"type": "function", "function": {"name": "bring", "description": "Note what to bring outside.",
+                                             "parameters": {"type": "object",
+                                                            "properties": {"item": {"enum": ["coat", "hat", "umbrella"]}},
+                                                            "required": ["item"], "additionalProperties": False}}}
+    answer = openai_client.chat.completions.create(
+        model="smollm2-135m-tools", temperature=0, max_tokens=32, tools=[tool], parallel_tool_calls=False,
+        tool_choice={"type": "function", "function": {"name": "bring"}},
+        messages=[{"role": "user", "content": [audio_part(clips["coat"], "ogg"),
+                                               {"type": "text", "text": "What should you bring outside tonight?"}]}])
+    assert answer.choices[0].message.tool_calls, answer.choices[0].message.content
+    (call,) = answer.choices[0].message.tool_calls
+    assert answer.choices[0].finish_reason == "tool_calls" and call.function.name == "bring"
+    assert json.loads(call.function.arguments)["item"] in ("coat", "hat", "umbrella")
 
 
 def test_audio_answer_streams_the_same(openai_client, clips):

@@ -79,7 +79,7 @@ def image_server(tmp_path_factory, pictures):
 
 def test_models_list_reports_capabilities(openai_client):
     listed = {m.id: m for m in openai_client.models.list().data}
-    assert listed[DEMO_VLM].capabilities == ["vision"]
+    assert sorted(listed[DEMO_VLM].capabilities) == ["tools", "vision"]
     assert listed[TEXT_MODEL].capabilities == []
 
 

@@ -3,6 +3,7 @@ tier and worker, the toy VLM (shapes-vlm-toy, which names one coloured shape).""
 
 from __future__ import annotations
 
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -102,3 +103,27 @@ def test_canceling_one_image_chat_leaves_the_others_intact(service, openai_clien
     events = wait_until(lambda: [e for e in read_log(conn, chunk.id) if e["type"] in ("done", "error")], 30,
                         what="the canceled chat's end")
     assert events[0]["type"] == "error" and events[0]["data"]["code"] == "canceled"
+
+
+SHAPE_TOOL = {"type": "function", "function": {
+    "name": "name_shape", "description": "Record the shape in the picture.",
+    "parameters": {"type": "object", "properties": {"colour": {"type": "string"}, "shape": {"type": "string"}},
+                   "required": ["colour", "shape"], "additionalProperties": False}}}
+
+
+def test_a_forced_tool_call_with_an_image_parses_plain_and_streamed(openai_client, pictures):  # noqa: F811
+    content = _content(pictures[2], "Record the shape in this picture.")
+    forced = {"tools": [SHAPE_TOOL], "tool_choice": {"type": "function", "function": {"name": "name_shape"}}}
+    answer = openai_client.chat.completions.create(
+        model=DEMO_VLM, messages=[{"role": "user", "content": content}], temperature=0, max_tokens=48, **forced)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "name_shape"
+    assert set(json.loads(call.function.arguments)) == {"colour", "shape"}
+    streamed = openai_client.chat.completions.create(
+        model=DEMO_VLM, messages=[{"role": "user", "content": content}], temperature=0, max_tokens=48, stream=True,
+        **forced)
+    deltas = [d for chunk in streamed for c in chunk.choices for d in (c.delta.tool_calls or [])]
+    assert deltas[0].function.name == "name_shape"
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments

@@ -155,3 +155,27 @@ def test_model_type_defaults_are_mlx_lms(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tool_parser_type": "no_such_parser"}))
     assert tool_format_in(tmp_path, {"model_type": "llama"}) is None
     assert tool_format_in(None) is None
+
+
+def test_the_toy_vlms_template_renders_tools_and_without_them_what_it_was_trained_with():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from workers.demo.tools_model import VLM_CHAT_TEMPLATE
+    from workers.demo.vlm_build import CHAT_TEMPLATE as TRAINED
+
+    env = ImmutableSandboxedEnvironment()
+    env.filters["tojson"] = json.dumps
+    mine, trained = env.from_string(VLM_CHAT_TEMPLATE), env.from_string(TRAINED)
+    chats = [[{"role": "user", "content": "Hi"}],
+             [{"role": "system", "content": "Be brief."},
+              {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in this image?"}]},
+              {"role": "assistant", "content": "A red circle."}, {"role": "user", "content": "And now?"}]]
+    for messages, generation in itertools.product(chats, (True, False)):
+        assert mine.render(messages=messages, add_generation_prompt=generation) == \
+            trained.render(messages=messages, add_generation_prompt=generation)
+    tool = {"type": "function", "function": {"name": "name_shape", "parameters": {"type": "object"}}}
+    rendered = mine.render(messages=chats[1], add_generation_prompt=True, tools=[tool])
+    assert rendered.startswith("<|im_start|>system\nBe brief.\n\n# Tools") and '"name": "name_shape"' in rendered
+    assert rendered.count("Be brief.") == 1 and "<image>What is in this image?" in rendered
+    assert tool_format_of(VLM_CHAT_TEMPLATE) == _infer_tool_parser(SimpleNamespace(
+        chat_template=VLM_CHAT_TEMPLATE, get_vocab=dict)) == "json_tools"

@@ -176,9 +176,12 @@ def pull_demo_adapter(settings, log: Callable[[str], None]):
 
 
 def pull_demo_vlm(settings, log: Callable[[str], None]) -> ModelInfo:
-    """Put the toy VLM in the store (from the build cache, building it first if needed), unless it is there."""
+    """Put the toy VLM in the store (from the build cache, building it first if needed), unless it is there with
+    its chat template (one that renders tools: an entry with the older one is replaced from the build)."""
+    from workers.demo.tools_model import VLM_CHAT_TEMPLATE
+
     info = store.store_entry(settings, DEMO_VLM)
-    if info is not None:
+    if info is not None and chat_template_of(info.path) == VLM_CHAT_TEMPLATE:
         log(f"{DEMO_VLM}: already in the store")
         return info
     text_demo, text = _text_demo_entry(settings, DEMO_VLM)
@@ -190,7 +193,8 @@ def pull_demo_vlm(settings, log: Callable[[str], None]) -> ModelInfo:
                   "upstream": f"{text_demo.upstream} (language model); vision side built by mlxq",
                   "origin": "mlxq demo build: workers/demo/vlm_build.py, synthetic shapes",
                   "description": DESCRIPTION, "toy": True}
-    return import_into_store(settings, DEMO_VLM, _copy_build, built, provenance)
+    return import_into_store(settings, DEMO_VLM, functools.partial(_copy_build, template=VLM_CHAT_TEMPLATE), built,
+                             provenance, force=info is not None)
 
 
 def _text_demo_entry(settings, made: str) -> tuple[DemoModel, ModelInfo]:
@@ -252,8 +256,11 @@ def _cached_build(name: str, sources: tuple[str, ...], build: Callable[[Path, Pa
     return cached
 
 
-def _copy_build(src: Path, out_dir: Path) -> dict:
-    """Converter for import_into_store: copy a cached build into out_dir; return its build facts."""
+def _copy_build(src: Path, out_dir: Path, template: str | None = None) -> dict:
+    """Converter for import_into_store: copy a cached build into out_dir (with this chat template, if given); return
+    its build facts."""
     shutil.copytree(src, out_dir, dirs_exist_ok=True, ignore=shutil.ignore_patterns(_FACTS))
     os.chmod(out_dir, 0o755)  # copytree gave it the cache entry's mode: mkdtemp's 0700
+    if template is not None:
+        (out_dir / "chat_template.jinja").write_text(template)
     return json.loads((src / _FACTS).read_text())

@@ -60,6 +60,40 @@ CHAT_TEMPLATE = (
 )
 
 
+VLM_CHAT_TEMPLATE = (
+    # shapes-vlm-toy's template (workers/demo/vlm_build.py's CHAT_TEMPLATE, which it was trained with: without tools
+    # this renders exactly what that one does) with the tools rendered as the Hermes template above renders them, so
+    # a chat with images can call tools (forced by a grammar: the toy is not trained for them).
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' and messages[0]['content'] is string %}"
+    "{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n'"
+    " + 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + ((tool.function if tool.function is defined else tool) | tojson) }}"
+    "{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments '"
+    " + 'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n'"
+    " + '{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' and message['content'] is string %}"
+    "{% elif message['role'] == 'assistant' and message.tool_calls %}"
+    "{{ '<|im_start|>assistant' }}{% if message['content'] %}{{ '\\n' + message['content'] }}{% endif %}"
+    "{% for tool_call in message.tool_calls %}"
+    "{% set tool_call = tool_call.function if tool_call.function is defined else tool_call %}"
+    "{{ '\\n<tool_call>\\n{\"name\": \"' + tool_call.name + '\", \"arguments\": '"
+    " + (tool_call.arguments | tojson) + '}\\n</tool_call>' }}"
+    "{% endfor %}{{ '<|im_end|>\\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{% if part['type'] == 'image' %}{{ '<image>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
 MISTRAL_NAME = "smollm2-135m-mistral-tools"
 
 MISTRAL_CHAT_TEMPLATE = (
