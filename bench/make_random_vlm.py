@@ -29,8 +29,10 @@ _PROCESSOR_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
                     "chat_template.json", "generation_config.json", "added_tokens.json")
 
 
-def build(template: Path, out: Path, shape: dict, dtype: str) -> Path:
-    """Write config, processor files and random weights of `shape` to `out`."""
+def build(template: Path, out: Path, shape: dict, dtype: str, tiles: bool = False) -> Path:
+    """Write config, processor files and random weights of `shape` to `out`; with `tiles`, a processor that splits
+    a picture into tiles of the tower's size plus the whole picture at that size, up to 4 tiles a side (SmolVLM's
+    processors split pictures so; without, a picture is one image of the tower's size)."""
     import mlx.core as mx
     from mlx_vlm.utils import get_model_and_args, update_module_configs
 
@@ -53,6 +55,8 @@ def build(template: Path, out: Path, shape: dict, dtype: str) -> Path:
     save(model, config, out, template, _PROCESSOR_FILES)
     preprocessor = json.loads((template / "preprocessor_config.json").read_text())
     preprocessor["size"] = preprocessor["max_image_size"] = {"longest_edge": vision["image_size"]}
+    if tiles:
+        preprocessor["size"], preprocessor["do_image_splitting"] = {"longest_edge": 4 * vision["image_size"]}, True
     (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
     processor = json.loads((template / "processor_config.json").read_text())
     processor["image_seq_len"] = image_tokens
@@ -78,8 +82,9 @@ def main() -> None:
     parser.add_argument("--template", type=Path, required=True, help="an idefics3 model directory (the toy VLM)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--tiles", action="store_true", help="split pictures into tiles (a 1536x1024 one: 12 + 1, 832 image tokens)")
     args = parser.parse_args()
-    print(build(args.template, args.out, SMOLVLM_500M, args.dtype))
+    print(build(args.template, args.out, SMOLVLM_500M, args.dtype, args.tiles))
 
 
 if __name__ == "__main__":

@@ -47,3 +47,32 @@ def test_the_digest_names_the_image_bytes(tmp_path):
     assert vision_batch.digest([str(a)]) == vision_batch.digest([str(c)])  # the same bytes, whatever the name
     assert vision_batch.digest([str(a)]) != vision_batch.digest([str(b)])
     assert vision_batch.digest([str(a), str(b)]) != vision_batch.digest([str(b), str(a)])  # in order
+
+
+def test_a_repeat_whose_images_are_cached_is_prepared_without_reading_them(models_dir, tmp_path):
+    from types import SimpleNamespace
+
+    from workers.backends import vision
+    from workers.demo import shapes
+
+    vlm, processor = vision.load(models_dir / "shapes-vlm-toy", float32=True)
+    model = vision_batch._vision_model(vlm, processor)
+    picture = tmp_path / "picture.png"
+    shapes.samples(7, 1)[0].image.save(picture)
+    request = SimpleNamespace(
+        messages=[{"role": "user", "content": [{"type": "image", "image": 0}, {"type": "text", "text": "What?"}]}],
+        images=[str(picture)], tools=None, n=1, sampling=SimpleNamespace(max_tokens=8, grammar=None),
+        model=SimpleNamespace(context_length=2048))
+
+    def prepare(cached: int):
+        return vision_batch.prepare(request, model, 100, 1, lambda: 2**30, lambda media, ids: cached)
+
+    first = prepare(0)
+    ((ids, _),), (media,) = first.prompts, first.media
+    assert media.pixel_values is not None and model.image_token in ids
+    again = prepare(len(ids) - 1)  # the prompt cache holds all but its last token: the images are not read
+    assert again.prompts[0][0] == ids and again.media[0].pixel_values is None
+    embeds = model.embeddings(ids, again.media[0])  # read after all (the entry went meanwhile): the same embeddings
+    assert mx.allclose(embeds, model.embeddings(ids, media)).item()
+    partly = prepare(ids.index(model.image_token))  # cached up to its first image token only: read now
+    assert partly.media[0].pixel_values is not None

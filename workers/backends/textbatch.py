@@ -115,7 +115,8 @@ class TextBatch:
         # A vision model's chats decode on its language model's mlx-lm twin (workers/backends/vision_batch.py).
         self.vision = vision
         self.model = vision.model if vision is not None else resident.model
-        self.kv = quantized_kv.for_model(self.model, resident.info.path, settings)  # None: unquantized
+        # None: unquantized (a vision model's caches always are, as on its one-request path: docs/operations.md)
+        self.kv = quantized_kv.for_model(self.model, resident.info.path, settings) if vision is None else None
         self.kv_per_token = kv_bytes_per_token(self.model, resident.float32, self.kv)
         self.burst_tokens = min(BURST_TOKENS, MERGE_BYTES // max(1, self.kv_per_token))  # a burst's turn, at most
         self.preparing: dict[object, Future] = {}  # requests being prepared, off the MLX thread
@@ -184,7 +185,9 @@ class TextBatch:
     def _prepare(self, request) -> prepare.Prepared:
         """The request prepared for this batch's model (on a preparing thread)."""
         if request.kind == "multimodal":
-            return vision_batch.prepare(request, self.vision, self.vocab, self.kv_per_token, self._kv_memory)
+            return vision_batch.prepare(request, self.vision, self.vocab, self.kv_per_token, self._kv_memory,
+                                        lambda media, ids: in_memory(self.prompt_cache, media.namespace(self.cache_key),
+                                                                     ids))
         prepared = prepare.prepare(request, self.tokenizer, self.vocab, self.kv_per_token, self._kv_memory)
         if self.disk:  # a prefix on disk longer than the memory tier's is read here, not on the MLX thread
             prepared.loaded = [self.disk.load(self.disk_ns, ids, in_memory(self.prompt_cache, self.cache_key, ids))

@@ -22,8 +22,9 @@ same text with other images never does.
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -37,6 +38,9 @@ from workers.backends import textgen, vision
 TWINNED = frozenset({"idefics3", "smolvlm"})
 """The VLM architectures whose language model decodes as its mlx-lm twin: image features merged into the
 embeddings, then a plain causal LM with positions 0, 1, 2... (the tests compare the twin with mlx-vlm)."""
+
+ASKED = 256
+"""Prompts with images whose token ids a vision model's batch remembers (ids only: a few KB each)."""
 
 CHECK_TOLERANCE = 1e-2
 """How far the twin's logits may be from mlx-vlm's language model on the check's few tokens (float16 and
@@ -52,9 +56,20 @@ class VisionModel:
     model: nn.Module  # the language model's mlx-lm twin (shares the VLM's weights)
     tokenizer: TokenizerWrapper
     image_token: int | None
+    asked: OrderedDict = field(default_factory=OrderedDict)  # (images' digest, prompt) -> ids, the latest ASKED
+
+    def remember(self, key: tuple, ids: list[int]) -> None:
+        """Keep a prompt's ids, for a repeat to be prepared without reading its images (the preparing threads add
+        and drop whole entries: each a single operation of the dict's, under Python's lock)."""
+        self.asked[key] = ids
+        while len(self.asked) > ASKED:
+            self.asked.popitem(last=False)
 
     def embeddings(self, ids: list[int], media: Media) -> mx.array:
         """The prompt's input embeddings (1, L, D), its images' features merged in (runs the vision tower)."""
+        if media.pixel_values is None:  # read again: its cached prefix was gone by the time it joined
+            inputs = media.read()
+            media.pixel_values, media.extra = inputs["pixel_values"], vision.extra_inputs(inputs)
         out = self.vlm.get_input_embeddings(mx.array(ids)[None], media.pixel_values, **media.extra)
         embeds = getattr(out, "inputs_embeds", out)
         return embeds.astype(self.model.model.embed_tokens(mx.array(ids[:1])).dtype)
@@ -64,9 +79,10 @@ class VisionModel:
 class Media:
     """A prompt's images as the model takes them, and the digest that keys its cached prefix."""
 
-    pixel_values: mx.array
+    pixel_values: mx.array | None  # None: not read (its prompt's images are in the prompt cache); `read` reads them
     extra: dict  # the model's other image inputs (a pixel mask, image sizes...)
     digest: str  # of the image files' bytes: the same pictures, whatever URL or format they came from
+    read: Callable[[], dict] | None = None  # the processor's inputs for the prompt, images read
 
     def namespace(self, key: str) -> str:
         """The prompt cache's key for this prompt's entries, under the batch's `key`."""
@@ -135,20 +151,39 @@ def digest(paths: list[str]) -> str:
     return sha.hexdigest()[:32]
 
 
-def prepare(request, model: VisionModel, vocab: int, kv_per_token: int,
-            kv_memory: Callable[[], int]) -> preparing.Prepared:
+def prepare(request, model: VisionModel, vocab: int, kv_per_token: int, kv_memory: Callable[[], int],
+            cached: Callable[[str, list[int]], int] = lambda key, ids: 0) -> preparing.Prepared:
     """A chat on a vision model prepared for its batch (on a preparing thread): the prompt rendered by the
-    model's processor with its images read, checked against the context and counted against KV memory."""
+    model's processor with its images read, checked against the context and counted against KV memory.
+    `cached(media, ids)`: how many of the prompt's tokens the prompt cache holds for these images (Media). A
+    prompt asked before whose images the prompt cache holds is not read again: its ids are remembered."""
     prompt = vision.chat_prompt(model.vlm, model.processor, request.messages, len(request.images), 0, request.tools)
-    inputs = vision.model_inputs(model.vlm, model.processor, prompt, request.images, [])
-    ids = inputs["input_ids"].reshape(-1).tolist()
+
+    def read() -> dict:
+        return vision.model_inputs(model.vlm, model.processor, prompt, request.images, [])
+
+    media = Media(None, {}, digest(request.images), read) if request.images else None
+    key = (media.digest, prompt) if media else None
+    ids = model.asked.get(key) if key else None
+    if ids is None or cached(media, ids) <= last_image_token(ids, model.image_token):
+        inputs = read()  # (the processor: decoding, resizing, tiling; ~40 ms for a 512-pixel picture on a GPU host)
+        ids = inputs["input_ids"].reshape(-1).tolist()
+        if media is not None and inputs.get("pixel_values") is not None:
+            media.pixel_values, media.extra = inputs["pixel_values"], vision.extra_inputs(inputs)
+            model.remember(key, ids)
+        elif media is not None:  # a processor that took no pixels (none of its images is a picture it reads)
+            media = None
     budget = textgen.token_budget(len(ids), request.sampling.max_tokens, request.model.context_length)
-    media = None
-    if request.images and inputs.get("pixel_values") is not None:
-        media = Media(inputs["pixel_values"], vision.extra_inputs(inputs), digest(request.images))
     prepared = preparing.checked([(ids, budget)], request, kv_per_token, kv_memory, model.tokenizer, vocab)
     prepared.media = [media]
     return prepared
+
+
+def last_image_token(ids: list[int], image_token: int | None) -> int:
+    """The position of the prompt's last image token (-1: none)."""
+    if image_token is None:
+        return -1
+    return max((i for i in range(len(ids) - 1, -1, -1) if ids[i] == image_token), default=-1)
 
 
 def has_images(ids: list[int], image_token: int | None) -> bool:
