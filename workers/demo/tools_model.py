@@ -26,19 +26,22 @@ from pathlib import Path
 
 NAME = "smollm2-135m-tools"
 
-CHAT_TEMPLATE = (
-    "{%- set system = 'You are a helpful AI assistant named SmolLM, trained by Hugging Face' -%}"
-    "{%- if messages and messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}{% endif -%}"
-    "{{- '<|im_start|>system\\n' + system }}"
-    "{%- if tools %}"
-    "{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n'"
+_HERMES_TOOLS = (
+    # The tools as the Hermes convention lists them in the system turn, from inside a string literal of the template
+    # to inside another: the templates below put it in their own.
+    "# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n'"
     " + 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' + ((tool.function if tool.function is defined else tool) | tojson) }}"
     "{%- endfor %}"
     "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments '"
     " + 'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n'"
-    " + '{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call>' }}"
-    "{%- endif %}"
+    " + '{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call>")
+
+CHAT_TEMPLATE = (
+    "{%- set system = 'You are a helpful AI assistant named SmolLM, trained by Hugging Face' -%}"
+    "{%- if messages and messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}{% endif -%}"
+    "{{- '<|im_start|>system\\n' + system }}"
+    "{%- if tools %}{{- '\\n\\n" + _HERMES_TOOLS + "' }}{%- endif %}"
     "{{- '<|im_end|>\\n' }}"
     "{%- for message in messages %}"
     "{%- if message['role'] == 'system' and loop.first %}"
@@ -67,13 +70,7 @@ VLM_CHAT_TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\\n' }}"
     "{%- if messages and messages[0]['role'] == 'system' and messages[0]['content'] is string %}"
     "{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
-    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n'"
-    " + 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\\n' + ((tool.function if tool.function is defined else tool) | tojson) }}"
-    "{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments '"
-    " + 'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n'"
-    " + '{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{{- '" + _HERMES_TOOLS + "<|im_end|>\\n' }}"
     "{%- endif %}"
     "{% for message in messages %}"
     "{% if tools and loop.first and message['role'] == 'system' and message['content'] is string %}"
