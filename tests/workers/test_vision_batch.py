@@ -76,3 +76,32 @@ def test_a_repeat_whose_images_are_cached_is_prepared_without_reading_them(model
     assert mx.allclose(embeds, model.embeddings(ids, media)).item()
     partly = prepare(ids.index(model.image_token))  # cached up to its first image token only: read now
     assert partly.media[0].pixel_values is not None
+
+
+def test_several_prompts_images_go_through_the_tower_in_one_call_as_they_would_alone(models_dir, tmp_path):
+    from types import SimpleNamespace
+
+    from workers.backends import vision
+    from workers.demo import shapes
+
+    vlm, processor = vision.load(models_dir / "shapes-vlm-toy", float32=True)
+    model = vision_batch._vision_model(vlm, processor)
+    paths = []
+    for i, sample in enumerate(shapes.samples(11, 3)):
+        paths.append(tmp_path / f"{i}.png")
+        sample.image.save(paths[-1])
+
+    def prepared(images: list, text: str):
+        parts = [{"type": "image", "image": i} for i in range(len(images))] + [{"type": "text", "text": text}]
+        request = SimpleNamespace(messages=[{"role": "user", "content": parts}], images=[str(p) for p in images],
+                                  tools=None, n=1, sampling=SimpleNamespace(max_tokens=8, grammar=None),
+                                  model=SimpleNamespace(context_length=2048))
+        done = vision_batch.prepare(request, model, 100, 1, lambda: 2**30)
+        return done.prompts[0][0], done.media[0]
+
+    # Prompts of different lengths with different numbers of images (one is padded with an all-zero image).
+    prompts = [prepared(paths[:1], "What is in this image? Say it in a few words."), prepared(paths[1:], "And here?")]
+    together = model.embeddings_many(prompts)
+    for (ids, media), mine in zip(prompts, together, strict=True):
+        assert mine.shape[:2] == (1, len(ids))
+        assert mx.allclose(mine, model.embeddings(ids, media), atol=1e-5).item()

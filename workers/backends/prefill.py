@@ -233,8 +233,13 @@ def feed_together(model, prompts: list[Prompt]) -> mx.array:
 
 
 def _embeddings(model, prompts: list[Prompt], parts: list[list[int]], padding: list[int]) -> dict:
-    """The pass's input embeddings (B, L, D), when image chats are in it: theirs (the vision tower runs now, for each
-    one, in the same evaluation), the token embeddings of the others, each padded on the right like its ids."""
+    """The pass's input embeddings (B, L, D), when image chats are in it: theirs (the vision tower runs now, once for
+    all of them where their embeddings offer `many`), the token embeddings of the others, each padded on the right
+    like its ids."""
+    pending = [prompt for prompt in prompts if prompt.embed is not None and not isinstance(prompt.embed, mx.array)]
+    if len(pending) > 1 and hasattr(pending[0].embed, "many"):  # one call of the vision tower for all their images
+        for prompt, embed in zip(pending, pending[0].embed.many([p.embed for p in pending]), strict=True):
+            prompt.embed = embed
     rows = []
     for prompt, part, pad in zip(prompts, parts, padding, strict=True):
         if prompt.embed is not None:

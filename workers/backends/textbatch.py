@@ -509,7 +509,7 @@ class TextBatch:
         cache = cache if cache is not None else quantized_kv.make_cache(self.model, self.kv)
         prompt = Prompt(task, starts, cache, ids[:cached], list(rest), order)
         if media is not None and vision_batch.has_images(rest, self.vision.image_token):
-            prompt.embed = lambda: self.vision.embeddings(ids, media)  # (not when its images are all cached)
+            prompt.embed = vision_batch.Pending(self.vision, ids, media)  # (not when its images are all cached)
         return prompt
 
     def _publish_and_collect(self) -> list[tuple[object, Outcome | Exception]]:

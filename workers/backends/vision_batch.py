@@ -67,12 +67,30 @@ class VisionModel:
 
     def embeddings(self, ids: list[int], media: Media) -> mx.array:
         """The prompt's input embeddings (1, L, D), its images' features merged in (runs the vision tower)."""
-        if media.pixel_values is None:  # read again: its cached prefix was gone by the time it joined
-            inputs = media.read()
-            media.pixel_values, media.extra = inputs["pixel_values"], vision.extra_inputs(inputs)
-        out = self.vlm.get_input_embeddings(mx.array(ids)[None], media.pixel_values, **media.extra)
-        embeds = getattr(out, "inputs_embeds", out)
-        return embeds.astype(self.model.model.embed_tokens(mx.array(ids[:1])).dtype)
+        return self.embeddings_many([(ids, media)])[0]
+
+    def embeddings_many(self, prompts: list[tuple[list[int], Media]]) -> list[mx.array]:
+        """Several prompts' input embeddings (each 1, L, D) from one call of the vision tower for all their images:
+        called prompt by prompt, mlx-vlm's idefics3 evaluates each prompt's images on its own (it reads a mask of
+        them back), and a pass of 15 image prompts took 323 ms on an H200. The prompts' ids are padded with a
+        token that is not an image's, their images with all-zero ones, which idefics3 leaves out."""
+        for _, media in prompts:
+            if media.pixel_values is None:  # read again: its cached prefix was gone by the time it joined
+                inputs = media.read()
+                media.pixel_values, media.extra = inputs["pixel_values"], vision.extra_inputs(inputs)
+        dtype = self.model.model.embed_tokens(mx.array([0])).dtype
+        if len(prompts) > 1 and any({*m.extra} != {"pixel_attention_mask"} for _, m in prompts):
+            return [self.embeddings_many([prompt])[0] for prompt in prompts]  # inputs it cannot stack
+        width = max(len(ids) for ids, _ in prompts)
+        count = max(media.pixel_values.shape[1] for _, media in prompts)
+        pad = 0 if self.image_token != 0 else 1
+        ids = mx.array([ids + [pad] * (width - len(ids)) for ids, _ in prompts])
+        pixels = mx.concatenate([_padded(media.pixel_values, count) for _, media in prompts])
+        extra = {key: mx.concatenate([_padded(media.extra[key], count) for _, media in prompts])
+                 for key in prompts[0][1].extra}
+        out = self.vlm.get_input_embeddings(ids, pixels, **extra)
+        embeds = getattr(out, "inputs_embeds", out).astype(dtype)
+        return [embeds[i:i + 1, :len(row)] for i, (row, _) in enumerate(prompts)]
 
 
 @dataclass(eq=False)
@@ -87,6 +105,31 @@ class Media:
     def namespace(self, key: str) -> str:
         """The prompt cache's key for this prompt's entries, under the batch's `key`."""
         return f"{key}#images:{self.digest}"
+
+
+def _padded(images: mx.array, count: int) -> mx.array:
+    """A prompt's images (1, N, ...) padded with all-zero ones to `count`."""
+    missing = count - images.shape[1]
+    return images if not missing else mx.concatenate([images, mx.zeros((1, missing, *images.shape[2:]), images.dtype)],
+                                                     axis=1)
+
+
+@dataclass(eq=False)
+class Pending:
+    """An image prompt's input embeddings, not computed yet: computed at the turn that needs them, with those of the
+    other image prompts of its pass (`many`)."""
+
+    model: VisionModel
+    ids: list[int]
+    media: Media
+
+    def __call__(self) -> mx.array:
+        return self.model.embeddings(self.ids, self.media)
+
+    @staticmethod
+    def many(pending: list[Pending]) -> list[mx.array]:
+        """The embeddings of several pending prompts of one model, from one call of its vision tower."""
+        return pending[0].model.embeddings_many([(p.ids, p.media) for p in pending])
 
 
 def for_resident(resident) -> VisionModel | None:
