@@ -79,8 +79,9 @@ class VisionModel:
                 inputs = media.read()
                 media.pixel_values, media.extra = inputs["pixel_values"], vision.extra_inputs(inputs)
         dtype = self.model.model.embed_tokens(mx.array([0])).dtype
-        if len(prompts) > 1 and any({*m.extra} != {"pixel_attention_mask"} for _, m in prompts):
-            return [self.embeddings_many([prompt])[0] for prompt in prompts]  # inputs it cannot stack
+        if len(prompts) == 1 or any({*m.extra} != {"pixel_attention_mask"} for _, m in prompts):
+            return [self._embeddings(mx.array(ids)[None], media.pixel_values, media.extra).astype(dtype)
+                    for ids, media in prompts]  # one, or inputs it cannot stack: each on its own
         width = max(len(ids) for ids, _ in prompts)
         count = max(media.pixel_values.shape[1] for _, media in prompts)
         pad = 0 if self.image_token != 0 else 1
@@ -88,9 +89,13 @@ class VisionModel:
         pixels = mx.concatenate([_padded(media.pixel_values, count) for _, media in prompts])
         extra = {key: mx.concatenate([_padded(media.extra[key], count) for _, media in prompts])
                  for key in prompts[0][1].extra}
-        out = self.vlm.get_input_embeddings(ids, pixels, **extra)
-        embeds = getattr(out, "inputs_embeds", out).astype(dtype)
+        embeds = self._embeddings(ids, pixels, extra).astype(dtype)
         return [embeds[i:i + 1, :len(row)] for i, (row, _) in enumerate(prompts)]
+
+    def _embeddings(self, ids: mx.array, pixels: mx.array, extra: dict) -> mx.array:
+        """mlx-vlm's merged input embeddings (B, L, D) of these ids and pictures."""
+        out = self.vlm.get_input_embeddings(ids, pixels, **extra)
+        return getattr(out, "inputs_embeds", out)
 
 
 @dataclass(eq=False)
@@ -195,7 +200,7 @@ def digest(paths: list[str]) -> str:
 
 
 def prepare(request, model: VisionModel, vocab: int, kv_per_token: int, kv_memory: Callable[[], int],
-            cached: Callable[[str, list[int]], int] = lambda key, ids: 0) -> preparing.Prepared:
+            cached: Callable[[Media, list[int]], int] = lambda media, ids: 0) -> preparing.Prepared:
     """A chat on a vision model prepared for its batch (on a preparing thread): the prompt rendered by the
     model's processor with its images read, checked against the context and counted against KV memory.
     `cached(media, ids)`: how many of the prompt's tokens the prompt cache holds for these images (Media). A
