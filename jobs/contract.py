@@ -9,7 +9,7 @@ Events of a job (jobs.events numbers them), by type, with their data:
   delta     {"index", "text", "tool_calls"?}      text generated for choice `index`; calls it completed
   segment   {"segment", "words"?}                 a finished transcript segment (verbose_json's shape)
   progress  {"done_s", "total_s", "percent", "eta_s"}
-  done      TextResult.as_dict()  or  {"result": <verbose_json transcription>}
+  done      TextResult.as_dict(), EmbeddingResult.as_dict()  or  {"result": <verbose_json transcription>}
   error     jobs.errors.error_data(...): {"message", "code", "status", ...}
 """
 
@@ -25,6 +25,9 @@ model's room, web.intake.max_tokens_limit)."""
 
 DEFAULT_SPEECH_MODEL = "whisper-tiny.en"
 """The model of a transcription request that names none (OpenAI's clients always send one)."""
+
+DEFAULT_EMBEDDING_MODEL = "minilm-l6"
+"""The model of an embedding request that names none: the demo model pull-demo installs."""
 
 DEFAULT_TRANSLATION_MODEL = "whisper-base"
 """The model of a translation request that names none: the demo model that knows languages besides English."""
@@ -152,6 +155,39 @@ class MultimodalRequest:
         return [self.messages]
 
 
+MAX_EMBEDDING_INPUTS = 2048
+"""The most inputs one embedding request may hold (OpenAI's limit)."""
+
+
+@dataclass(frozen=True)
+class EmbeddingRequest:
+    """Inputs to turn into vectors, one each (OpenAI's /v1/embeddings): texts, or token ids of the model's
+    vocabulary; padded and encoded together with other requests' inputs (workers/backends/embeddings.py)."""
+
+    id: str
+    model: ModelRef
+    inputs: list  # each a string, or a list of token ids (the model's own, special tokens left out)
+    is_async: bool = False
+    request_id: str | None = None
+    keep_alive: float | None = None  # seconds the model stays loaded once idle (negative: until evicted)
+    kind: str = field(default="embedding", init=False)
+
+
+@dataclass(frozen=True)
+class EmbeddingResult:
+    """The `done` event of an embedding request: each input's vector as base64 of little-endian float32 (what
+    OpenAI's `encoding_format=base64` sends; the web decodes it for `float`), in the inputs' order."""
+
+    model: str
+    embeddings: list[str]
+    dimensions: int
+    prompt_tokens: int
+
+    def as_dict(self) -> dict:
+        """The JSON shape."""
+        return asdict(self)
+
+
 CONTROL_ACTIONS = ("load", "unload", "pin", "unpin", "mount", "unmount")
 """mount / unmount: an adapter (ControlRequest.adapter) on its base model (ControlRequest.model)."""
 
@@ -169,9 +205,9 @@ class ControlRequest:
     kind: str = field(default="control", init=False)
 
 
-Request = TextRequest | TranscriptionRequest | MultimodalRequest | ControlRequest
+Request = TextRequest | TranscriptionRequest | MultimodalRequest | EmbeddingRequest | ControlRequest
 _KINDS = {"text": TextRequest, "transcription": TranscriptionRequest, "multimodal": MultimodalRequest,
-          "control": ControlRequest}
+          "embedding": EmbeddingRequest, "control": ControlRequest}
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -96,13 +97,73 @@ def _walk_size(path: Path) -> int:
     return total
 
 
+ENCODER_MODEL_TYPES = frozenset({"bert", "xlm-roberta", "modernbert"})
+"""Text encoders (no decoder: nothing to chat with) that mlx-embeddings runs: served as embedding models."""
+
+
 def detect_kind(config: dict) -> str:
-    """Return "speech", "vision" or "text" for a model's config.json contents."""
+    """Return "speech", "vision", "embedding" or "text" for a model's config.json contents."""
     if config.get("model_type") == "whisper" or "n_mels" in config or "n_audio_ctx" in config:
         return "speech"
     if "vision_config" in config:
         return "vision"
+    if config.get("model_type") in ENCODER_MODEL_TYPES:
+        return "embedding"
     return "text"
+
+
+@dataclass(frozen=True)
+class EmbeddingFacts:
+    """How an embedding model turns a text into one vector: sentence-transformers' files, where present
+    (modules.json, 1_Pooling/config.json, sentence_bert_config.json), else its config.json's."""
+
+    dimensions: int
+    pooling: str  # "mean", "cls", "max" or "lasttoken"
+    normalize: bool  # vectors of length 1 (modules.json has a Normalize module)
+    max_tokens: int  # the most tokens of one input, [CLS] and [SEP] included
+
+
+POOLING_MODES = (("pooling_mode_mean_tokens", "mean"), ("pooling_mode_cls_token", "cls"),
+                 ("pooling_mode_max_tokens", "max"), ("pooling_mode_lasttoken", "lasttoken"))
+
+
+def embedding_facts(path: Path, config: dict | None = None) -> EmbeddingFacts | None:
+    """The facts of an embedding model's directory (None when config.json declares no hidden size)."""
+    path = Path(path)
+    config = read_json(path / "config.json") if config is None else config
+    hidden = (config or {}).get("hidden_size")
+    if not isinstance(hidden, int) or hidden <= 0:
+        return None
+    modules = _modules_of(path)
+    pooling_dir = next((m.get("path") for m in modules if str(m.get("type", "")).endswith(".Pooling")), None)
+    pooling_config = read_json(path / (pooling_dir or "1_Pooling") / "config.json") or {}
+    pooling = next((mode for key, mode in POOLING_MODES if pooling_config.get(key)), "mean")
+    normalize = any(str(m.get("type", "")).endswith(".Normalize") for m in modules) if modules else True
+    dimensions = pooling_config.get("word_embedding_dimension")
+    max_tokens = (read_json(path / "sentence_bert_config.json") or {}).get("max_seq_length")
+    positions = context_length_of(config)
+    if not isinstance(max_tokens, int) or max_tokens <= 0:
+        max_tokens = positions or 512
+    return EmbeddingFacts(dimensions=dimensions if isinstance(dimensions, int) and dimensions > 0 else hidden,
+                          pooling=pooling, normalize=normalize,
+                          max_tokens=min(max_tokens, positions) if positions else max_tokens)
+
+
+def _modules_of(path: Path) -> list[dict]:
+    """sentence-transformers' modules.json (a list, which read_json does not take), memoized like it."""
+    file = path / "modules.json"
+    key = _file_key(file)
+    if key is None:
+        return []
+    hit = _text_memo.get(file)
+    if hit is None or hit[0] != key:
+        hit = (key, file.read_text(encoding="utf-8", errors="replace"))
+        _text_memo[file] = hit
+    try:
+        modules = json.loads(hit[1])
+    except ValueError:
+        return []
+    return [m for m in modules if isinstance(m, dict)] if isinstance(modules, list) else []
 
 
 def capabilities_of(config: dict, path: Path | None = None) -> tuple[str, ...]:

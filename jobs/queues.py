@@ -36,6 +36,7 @@ TEXT_COMPLETION = "text_completion"
 TRANSCRIPTION = "transcription"
 MULTIMODAL_CHAT = "multimodal_chat"  # audio in it: runs alone, never batched
 VISION_CHAT = "vision_chat"  # a chat on a vision model, images or not, no audio: joins the model's text batch if it can
+EMBEDDING = "embedding"  # inputs to embed: encoded together with other embedding requests' inputs
 CONTROL = "control"  # the admin API's load / unload / pin: runs alone, between requests
 
 

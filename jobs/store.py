@@ -17,6 +17,7 @@ from jobs.model_files import (
     context_length_of,
     detect_kind,
     dir_size,
+    embedding_facts,
     has_weights,
     parse_time,
     quantization_of,
@@ -39,8 +40,8 @@ class ModelInfo:
 
     id: str  # the name clients use: store name, alias, or HF repo id
     path: Path  # the MLX model directory
-    kind: str  # "text" | "vision" | "speech"
-    context_length: int | None
+    kind: str  # "text" | "vision" | "speech" | "embedding"
+    context_length: int | None  # an embedding model's: the most tokens of one input
     vocab_size: int | None  # tokens the model can emit (bounds top_k)
     size_bytes: int
     source: str  # "gguf:<file>", "ct2:<dir>", "hf:<repo>", "dir:<path>" or "pull:<repo>"
@@ -49,6 +50,7 @@ class ModelInfo:
     created: int  # unix time (OpenAI's `created`)
     capabilities: tuple[str, ...] = ()  # "vision", "audio": what it takes besides text
     sampling_defaults: tuple[tuple[str, float], ...] = ()  # generation_config.json's, for fields a request leaves out
+    dimensions: int | None = None  # an embedding model's vector length
 
     def as_dict(self) -> dict:
         """Return a JSON-serializable dict of every field."""
@@ -93,12 +95,21 @@ def _info_from_config_dir(ref: str, path: Path, source: str, size: int | None = 
         return None
     if created is None:
         created = (path / "config.json").stat().st_mtime
-    return ModelInfo(
-        id=ref, path=path, kind=detect_kind(config), context_length=context_length_of(config),
+    kind = detect_kind(config)
+    return _with_embedding_facts(ModelInfo(
+        id=ref, path=path, kind=kind, context_length=context_length_of(config),
         vocab_size=vocab_size_of(config), size_bytes=dir_size(path) if size is None else size, source=source,
         quantization=quantization_of(config), license=config.get("license"), created=int(created),
         capabilities=capabilities_of(config, path), sampling_defaults=sampling_defaults_of(path),
-    )
+    ), config)
+
+
+def _with_embedding_facts(info: ModelInfo, config: dict) -> ModelInfo:
+    """An embedding model's entry with its vector length, and its most tokens per input as its context."""
+    facts = embedding_facts(info.path, config) if info.kind == "embedding" else None
+    if facts is None:
+        return info
+    return replace(info, context_length=facts.max_tokens, dimensions=facts.dimensions, sampling_defaults=())
 
 
 def store_entry(settings, name: str) -> ModelInfo | None:
@@ -116,14 +127,14 @@ def store_entry(settings, name: str) -> ModelInfo | None:
         mtime = manifest_path.stat().st_mtime
     except OSError:
         return None
-    return ModelInfo(
+    return _with_embedding_facts(ModelInfo(
         id=name, path=path, kind=manifest.get("kind") or detect_kind(config),
         context_length=context if isinstance(context, int) else None, vocab_size=vocab_size_of(config),
         size_bytes=dir_size(path), source=str(manifest.get("source") or f"dir:{path}"),
         quantization=manifest.get("quantization") or quantization_of(config),
         license=manifest.get("license"), created=parse_time(manifest.get("imported_at"), mtime),
         capabilities=capabilities_of(config, path), sampling_defaults=sampling_defaults_of(path),
-    )
+    ), config)
 
 
 def store_names(settings) -> list[str]:

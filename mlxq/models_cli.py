@@ -79,7 +79,7 @@ def models():
 
 
 def _import(src: Path, name: str | None, force: bool, importer: str, default_stem: str) -> None:
-    """Shared body of import-gguf and import-ct2-whisper."""
+    """Shared body of import-gguf, import-ct2-whisper and import-sentence-transformers."""
     from workers.store_admin import converter_for, import_into_store, safe_name, validate_name
 
     settings = load_settings()
@@ -134,6 +134,17 @@ def import_gguf_vlm(model_file: Path, mmproj: Path, name: str | None, force: boo
 def import_ct2_whisper(directory: Path, name: str | None, force: bool):
     """Convert a CTranslate2 (faster-whisper) Whisper model directory into an MLX model in the store."""
     _import(directory, name, force, "ct2", directory.resolve().name)
+
+
+@models.command("import-sentence-transformers")
+@click.argument("source", type=click.Path(exists=True, path_type=Path))
+@click.option("--name", help="Store name (default: derived from the folder or zip name).")
+@click.option("--force", is_flag=True, help="Replace an existing model of that name.")
+@_clean_errors
+def import_sentence_transformers(source: Path, name: str | None, force: bool):
+    """Import a sentence-transformers embedding model (a folder, or a zip of one; BERT family) into the store."""
+    stem = source.name[:-4] if source.name.lower().endswith(".zip") else source.resolve().name
+    _import(source, name, force, "sentence-transformers", stem)
 
 
 @models.command("pull")

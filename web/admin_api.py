@@ -56,7 +56,7 @@ def list_queues():
 @blp.response(200, AnyObjectSchema, description="What the worker holds after the action")
 def model_action(body, action: str):
     """Load, unload, pin (load and never evict) or unpin a model; answered once the worker has done it."""
-    info = intake.resolve_model(body["model"], ("text", "vision", "speech"))
+    info = intake.resolve_model(body["model"], ("text", "vision", "speech", "embedding"))
     svc = services()
     if not any_worker_alive(svc.redis):
         raise APIError(503, "No MLX worker is running to do this.", "no_worker", headers={"Retry-After": "5"})

@@ -13,6 +13,7 @@ from web import (
     adapters_api,
     admin_api,
     audio_api,
+    embeddings_api,
     health,
     jobs_api,
     messages_api,
@@ -54,8 +55,8 @@ def create_app(settings: Settings | dict | None = None) -> Flask:
     register_metrics(app)
     register_error_handlers(app)
     api = MlxqApi(app, settings)
-    for module in (openai_api, responses_api, messages_api, models_api, health, audio_api, jobs_api, admin_api,
-                   adapters_api):
+    for module in (openai_api, responses_api, messages_api, embeddings_api, models_api, health, audio_api, jobs_api,
+                   admin_api, adapters_api):
         api.register_blueprint(module.blp)
     app.register_blueprint(pages.bp)
     mount_dashboard(app, settings.redis_url)

@@ -12,8 +12,10 @@ from flask import g
 from jobs import queues
 from jobs.adapters import NO_ADAPTER, AdapterNotFound, adapter_entry, fits
 from jobs.contract import (
+    DEFAULT_EMBEDDING_MODEL,
     DEFAULT_SPEECH_MODEL,
     AdapterRef,
+    EmbeddingRequest,
     ModelRef,
     MultimodalRequest,
     Sampling,
@@ -307,6 +309,24 @@ def completion_request(body: dict, job_id: str) -> TextRequest:
                             f"{MAX_CHOICES} per request.", "invalid_value", "n")
     return TextRequest(job_id, model_ref(info), sampling(body, info), prompts=prompts, n=n, request_id=g.request_id,
                        adapter=adapter_ref(body.get("adapter"), info), keep_alive=body.get("keep_alive"))
+
+
+def embedding_request(body: dict, job_id: str, is_async: bool = False) -> EmbeddingRequest:
+    """An embedding request: the model resolved (an embedding model), token ids within its vocabulary, and
+    `dimensions`, if given, its own."""
+    info = resolve_model(body["model"] or DEFAULT_EMBEDDING_MODEL, "embedding")
+    if body["dimensions"] is not None and body["dimensions"] != info.dimensions:
+        raise APIError(400, f"Model '{info.id}' makes {info.dimensions}-dimensional vectors and was not trained to "
+                            "have them cut shorter; leave 'dimensions' out (or send its own length).",
+                       "invalid_value", "dimensions")
+    items = body["input"]
+    for i, item in enumerate(items):
+        if not isinstance(item, str) and info.vocab_size and max(item) >= info.vocab_size:
+            param = "input" if len(items) == 1 else f"input[{i}]"
+            raise APIError(400, f"'{param}' holds the token id {max(item)}, outside the vocabulary of model "
+                                f"'{info.id}' (0 to {info.vocab_size - 1}).", "invalid_value", param)
+    return EmbeddingRequest(job_id, model_ref(info), items, is_async=is_async, request_id=g.request_id,
+                            keep_alive=body.get("keep_alive"))
 
 
 def transcription_request(form: dict, job_id: str, is_async: bool, task: str = "transcribe"

@@ -18,8 +18,8 @@ def _as_openai(info, adapters: dict) -> dict:
     return {"id": info.id, "object": "model", "created": info.created, "owned_by": "mlxq", "kind": info.kind,
             "capabilities": list(info.capabilities), "context_length": info.context_length, "size_bytes": info.size_bytes,
             "quantization": info.quantization, "source": public_source(info.source),
-            "sampling_defaults": sampling_defaults(info) if info.kind != "speech" else {},
-            "adapters": adapters_of(info, adapters)}
+            "sampling_defaults": sampling_defaults(info) if info.kind in ("text", "vision") else {},
+            "adapters": adapters_of(info, adapters), **({"dimensions": info.dimensions} if info.dimensions else {})}
 
 
 @blp.route("", methods=["GET"])

@@ -132,6 +132,32 @@ class TranscriptionSchema(Schema):
         "description": "With include[]=logprobs: {token, logprob, bytes} for each text token, in order"})
 
 
+class EmbeddingSchema(Schema):
+    """One input's vector."""
+
+    object = fields.String(required=True, metadata={"example": "embedding"})
+    index = fields.Integer(required=True, metadata={"description": "The input's place in the request's `input`"})
+    embedding = fields.Raw(required=True, metadata={
+        "oneOf": [{"type": "array", "items": {"type": "number"}}, {"type": "string"}],
+        "description": "The vector: numbers, or with `encoding_format` base64 its little-endian float32 bytes"})
+
+
+class EmbeddingUsageSchema(Schema):
+    """Tokens read (special tokens included)."""
+
+    prompt_tokens = fields.Integer(required=True)
+    total_tokens = fields.Integer(required=True)
+
+
+class EmbeddingListSchema(Schema):
+    """The answer of POST /v1/embeddings."""
+
+    object = fields.String(required=True, metadata={"example": "list"})
+    data = fields.List(fields.Nested(EmbeddingSchema), required=True)
+    model = fields.String(required=True)
+    usage = fields.Nested(EmbeddingUsageSchema, required=True)
+
+
 class AnyObjectSchema(Schema):
     """A JSON object of any shape (a job's result: a transcription or a chat.completion)."""
 

@@ -8,7 +8,7 @@ import re
 
 from marshmallow import EXCLUDE, Schema, ValidationError, fields, validate, validates_schema
 
-from jobs.contract import Sampling
+from jobs.contract import MAX_EMBEDDING_INPUTS, Sampling
 from web.errors import APIError
 from web.structured import ResponseFormatSchema
 
@@ -412,6 +412,74 @@ class CompletionRequestSchema(SamplingSchema):
             raise ValidationError("is not supported by this server", field_name="best_of")
 
 
+class EmbeddingInput(fields.Field):
+    """OpenAI's embeddings `input`: a string, a list of strings, a list of token ids, or a list of such lists;
+    loads as a list of items, each a string or a list of token ids. At most MAX_EMBEDDING_INPUTS items, none
+    empty; the model's room per item is checked once it is tokenized (on the worker)."""
+
+    def __init__(self, **kwargs):
+        metadata = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}},
+                              {"type": "array", "items": {"type": "integer"}},
+                              {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}],
+                    "description": "What to embed: a string, a list of strings, a list of token ids or a list of "
+                                   f"such lists, at most {MAX_EMBEDDING_INPUTS} items, none empty; each item within "
+                                   "the model's tokens per input (`context_length` in GET /v1/models). Token ids "
+                                   "are the model's own, without its special tokens (mlxq adds them as it does "
+                                   "for text)"}
+        super().__init__(metadata=metadata, **kwargs)
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        if isinstance(value, str) or (isinstance(value, list) and value and all(_is_token(v) for v in value)):
+            items = [value]
+        elif isinstance(value, list):
+            items = value
+        else:
+            raise ValidationError("must be a string, a list of strings, a list of token ids or a list of such lists")
+        if not items:
+            raise ValidationError("must not be empty")
+        if len(items) > MAX_EMBEDDING_INPUTS:
+            raise ValidationError(f"at most {MAX_EMBEDDING_INPUTS} items (got {len(items)}); send the rest in "
+                                  "another request")
+        for i, item in enumerate(items):
+            where = "" if len(items) == 1 and items[0] is value else f"item {i} "
+            if isinstance(item, str):
+                if not item:
+                    raise ValidationError(f"{where}must not be an empty string")
+            elif not isinstance(item, list) or not all(_is_token(t) for t in item):
+                raise ValidationError(f"{where}must be a string or a list of token ids (non-negative integers)")
+            elif not item:
+                raise ValidationError(f"{where}must not be an empty list of token ids")
+        return items
+
+
+def _is_token(value) -> bool:
+    """A token id as JSON carries it: a non-negative integer (not a boolean)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOP_K
+
+
+class EmbeddingRequestSchema(Schema):
+    """POST /v1/embeddings body (OpenAI's)."""
+
+    class Meta:
+        unknown = EXCLUDE  # harmless unknown fields are ignored, as OpenAI-style clients expect
+
+    model = fields.String(load_default=None, validate=validate.Length(min=1, max=512),
+                          metadata={"description": "An embedding model (GET /v1/models, kind `embedding`); left out: "
+                                    "minilm-l6, the demo model"})
+    input = EmbeddingInput(required=True)
+    encoding_format = fields.String(load_default="float", validate=validate.OneOf(("float", "base64")),
+                                    metadata={"description": "`float`: lists of numbers; `base64`: each vector's "
+                                              "little-endian float32 bytes in base64 (what the openai client asks "
+                                              "for, and decodes)"})
+    dimensions = fields.Integer(strict=True, load_default=None, allow_none=True, validate=validate.Range(min=1),
+                                metadata={"description": "The vectors' length: only the model's own is accepted "
+                                          "(GET /v1/models, `dimensions`); cutting vectors shorter needs a model "
+                                          "trained for it"})
+    user = fields.String(load_default=None, allow_none=True, validate=validate.Length(max=512),
+                         metadata={"description": "OpenAI's end-user id: accepted, not used"})
+    keep_alive = keep_alive_field()
+
+
 class ModelSchema(Schema):
     """One entry of GET /v1/models (OpenAI's shape plus mlxq's extra facts)."""
 
@@ -431,6 +499,7 @@ class ModelSchema(Schema):
                                               "gets: the model's generation_config.json value, else mlxq's"})
     adapters = fields.List(fields.String(), metadata={"description": "The LoRA adapters made for this model, by "
                                                      "name: what a request's `adapter` may name"})
+    dimensions = fields.Integer(allow_none=True, metadata={"description": "An embedding model's vector length"})
 
 
 class ModelListSchema(Schema):

@@ -29,7 +29,8 @@ from rq.job import Job
 from jobs import queues
 from workers import rqjobs
 
-if TYPE_CHECKING:  # only named in annotations (the batch module loads MLX)
+if TYPE_CHECKING:  # only named in annotations (the batch modules load MLX)
+    from workers.backends.embeddings import EmbeddingBatch
     from workers.backends.textbatch import TextBatch
     from workers.running import Task
 
@@ -54,6 +55,10 @@ SPEECH_TURN_S = 1.0
 TEXT_KINDS = frozenset({queues.CHAT_COMPLETION, queues.TEXT_COMPLETION, queues.VISION_CHAT})
 """The RQ function names of requests that join a text batch (when their model can batch)."""
 
+MAX_EMBEDDING_REQUESTS = 256
+"""How many embedding requests the embedding batches may hold together (their inputs wait there, not in the
+queue, so that many small requests share passes)."""
+
 
 class Floor(Protocol):
     """The work in progress, as the admission policy sees it and hands it new jobs."""
@@ -66,6 +71,9 @@ class Floor(Protocol):
 
     def batches(self) -> list[TextBatch]:
         """The text batches (one per model), with or without members."""
+
+    def embedders(self) -> list[EmbeddingBatch]:
+        """The embedding batches (one per model), with or without members."""
 
     def solo_in(self, lane: str) -> Task | None:
         """The solo task of a lane (`interactive` or `batch`), if any."""
@@ -96,26 +104,41 @@ class Admission:
         """Start what can start: anything when idle (waiting for it), else what fits beside the work."""
         if not self.floor.active():
             taken = rqjobs.take(self.queues, self.conn, self.wait_s)
-            if taken is not None:
-                self.floor.begin(*taken)
-            return taken is not None
+            if taken is None:
+                return False
+            self.floor.begin(*taken)
+            # What came with it joins it at once: several queued embedding requests (each done in one step) would
+            # otherwise be taken one at a time, a step each.
+            self._next_look = 0.0
+            self._look()
+            return True
         if time.monotonic() < self._next_look:
             return False
+        return self._look()
+
+    def _look(self) -> bool:
+        """Take what can join the work in progress from the first ADMIT_DEPTH jobs of each queue."""
         self._next_look = time.monotonic() + (ADMIT_EVERY_S if self._text_room() else FULL_LOOK_S)
         took = False
         for queue, ids in rqjobs.peek(self.queues, self.conn, ADMIT_DEPTH):
-            text = []  # taken together (a burst of chats: two round trips, not two each)
+            together = []  # text and embeddings, taken together (a burst of chats: two round trips, not two each)
+            texts, embeddings = self._text_room(), self._embedding_room()
             for job_id in ids:
                 kind = self._kind(job_id, ids)
                 if kind in TEXT_KINDS:
-                    if len(text) < self._text_room():
-                        text.append(job_id)
+                    if texts > 0:
+                        together.append(job_id)
+                        texts -= 1
+                elif kind == queues.EMBEDDING:
+                    if embeddings > 0:
+                        together.append(job_id)
+                        embeddings -= 1
                 elif self._has_room(queue.name):
                     job = rqjobs.claim(queue, job_id)
                     if job is not None:
                         self.floor.begin(job, queue)
                         took = True
-            claimed = rqjobs.claim_many(queue, text)
+            claimed = rqjobs.claim_many(queue, together)
             if claimed:
                 self.floor.begin_many(claimed, queue)
                 took = True
@@ -125,10 +148,10 @@ class Admission:
         """Look at the queues at the next `admit`, however recent the last look."""
         self._next_look = 0.0
 
-    def pick(self) -> TextBatch | Task | None:
+    def pick(self) -> TextBatch | EmbeddingBatch | Task | None:
         """The next piece of work: a batch to step, or a solo task whose piece is due (None: nothing runs)."""
         solo = self.floor.solo_in(queues.INTERACTIVE) or self.floor.solo_in(queues.BATCH)
-        batches = [batch for batch in self.floor.batches() if len(batch)]
+        batches = [batch for batch in (*self.floor.batches(), *self.floor.embedders()) if len(batch)]
         if not batches:
             return solo
         self._turn += 1
@@ -163,6 +186,10 @@ class Admission:
         if any(b.waiting for b in batches):
             return 0
         return max(0, self.floor.max_batch - sum(len(b) for b in batches) - self.floor.held())
+
+    def _embedding_room(self) -> int:
+        """How many more embedding requests may join the embedding batches now."""
+        return max(0, MAX_EMBEDDING_REQUESTS - sum(len(b) for b in self.floor.embedders()))
 
     def _has_room(self, queue: str) -> bool:
         """Whether a solo job (not text: `_text_room`) from `queue` can join what runs now."""

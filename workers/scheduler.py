@@ -7,6 +7,8 @@ joins, from which queue, when, and whose turn the next piece is), parses each on
 - **Text** requests for one model decode together in that model's batch (workers/backends/
   textbatch.py): a request joins at the next step, leaves when it is done or canceled. One piece
   of work is one step of a batch, for everyone in it.
+- **Embedding** requests for one model are encoded together in that model's embedding batch
+  (workers/backends/embeddings.py): one piece of work is a few padded passes over the oldest inputs.
 - **Solo** requests (transcriptions, and text on a model that cannot batch) run one per lane, in
   pieces (a backend's `run`, workers/backends/base.py): the interactive one before the batch one.
 
@@ -36,6 +38,7 @@ from workers import rqjobs, worker_metrics
 from workers.admission import Admission
 from workers.backends import prompt_disk, vision_batch
 from workers.backends.base import Outcome
+from workers.backends.embeddings import PASS_TOKENS_CPU, PASS_TOKENS_GPU, EmbeddingBatch
 from workers.backends.prompt_cache import PromptCache
 from workers.backends.textbatch import TextBatch, batchable
 from workers.models import batch_key
@@ -60,6 +63,7 @@ class Scheduler:
         self.serves = serves  # the model ids this worker is dedicated to (None: any model)
         self.queues = {queue: queues.get_queue(queue, conn) for queue in queue_names}
         self.text: dict[str, TextBatch] = {}
+        self.embed: dict[str, EmbeddingBatch] = {}
         self.solo: dict[str, Task | None] = {queues.INTERACTIVE: None, queues.BATCH: None}
         # Requests taken as text whose model could not batch them (a vision model that is not twinned), while their
         # lane ran another: each runs when the lane frees, in order.
@@ -83,6 +87,14 @@ class Scheduler:
     def batches(self) -> list[TextBatch]:
         """The text batches, one per model and adapter."""
         return list(self.text.values())
+
+    def embedders(self) -> list[EmbeddingBatch]:
+        """The embedding batches, one per model."""
+        return list(self.embed.values())
+
+    def _batched_paths(self) -> set[str]:
+        """The directories of the models the batches decode or encode with (never evicted to load another)."""
+        return {str(b.resident.info.path) for b in (*self.text.values(), *self.embed.values())}
 
     def solo_in(self, lane: str) -> Task | None:
         """The solo task of a lane, if any."""
@@ -132,7 +144,7 @@ class Scheduler:
         unit = self.admission.pick()
         if unit is None:
             return took
-        if isinstance(unit, TextBatch):
+        if isinstance(unit, (TextBatch, EmbeddingBatch)):
             self._step_batch(unit)
         else:
             self._advance(unit)
@@ -162,7 +174,7 @@ class Scheduler:
         """Directories of the models that running requests use (batches and solo tasks)."""
         solo = {str(t.request.model.path) for t in self.solo.values() if t is not None and t.request is not None
                 and t.request.kind != "control"}
-        return {str(batch.resident.info.path) for batch in self.text.values()} | solo
+        return self._batched_paths() | solo
 
     def _adapters_in_use(self) -> set[tuple[str, str]]:
         """(model directory, adapter) of the adapters that running requests decode with."""
@@ -195,7 +207,9 @@ class Scheduler:
             if getattr(task.request, "keep_alive", None) is not None:  # Ollama's: the latest request's sets it
                 self.models.keep_alive(model.path, task.request.keep_alive)
             batch = self._batch_for(task.request) if task.request.kind in ("text", "multimodal") else None
-            if batch is not None:
+            if task.request.kind == "embedding":
+                self._embedder_for(task.request).add(task)
+            elif batch is not None:
                 batch.add(task)
             else:
                 self._set_solo(queues.lane_of(queue.name), task)
@@ -220,8 +234,7 @@ class Scheduler:
         adapter = getattr(request, "adapter", None)
         key = batch_key(request.model.path, adapter.name if adapter else None)
         if key not in self.text:
-            resident = self.models.get(request.model, pinned={str(b.resident.info.path) for b in self.text.values()},
-                                       adapter=adapter)
+            resident = self.models.get(request.model, pinned=self._batched_paths(), adapter=adapter)
             vision = vision_batch.for_resident(resident) if request.model.kind == "vision" else None
             if request.model.kind == "vision" and vision is None:  # its chats run alone
                 return None
@@ -232,6 +245,16 @@ class Scheduler:
                                            self.prompt_disk, vision)
         return self.text[key]
 
+    def _embedder_for(self, request: contract.EmbeddingRequest) -> EmbeddingBatch:
+        """The embedding batch of the request's model, made (the model loaded) when its first request comes."""
+        key = str(request.model.path)
+        if key not in self.embed:
+            resident = self.models.get(request.model, pinned=self._batched_paths())
+            gpu = self.models.platform.backend in ("cuda", "metal")
+            with self._lock:
+                self.embed[key] = EmbeddingBatch(resident, PASS_TOKENS_GPU if gpu else PASS_TOKENS_CPU, self.conn)
+        return self.embed[key]
+
     def _set_solo(self, lane: str, task: Task) -> None:
         with self._lock:
             if self.solo[lane] is None:
@@ -241,7 +264,7 @@ class Scheduler:
 
     # --- running pieces --------------------------------------------------------------------------
 
-    def _step_batch(self, batch: TextBatch) -> None:
+    def _step_batch(self, batch: TextBatch | EmbeddingBatch) -> None:
         """One step of a batch: end the requests that finished, were canceled or ran out of time."""
         started = time.monotonic()
         try:
@@ -273,10 +296,10 @@ class Scheduler:
         if not len(batch):
             self._drop_batch(batch)
 
-    def _drop_batch(self, batch: TextBatch) -> None:
+    def _drop_batch(self, batch: TextBatch | EmbeddingBatch) -> None:
         self._spent.update(batch.spent)  # (its part of the loop's time, for the next DEBUG summary)
         with self._lock:
-            self.text.pop(batch.key, None)
+            (self.embed if isinstance(batch, EmbeddingBatch) else self.text).pop(batch.key, None)
         batch.close()
 
     def _advance(self, task: Task) -> None:
@@ -340,7 +363,7 @@ class Scheduler:
                     self.waiting_solo[lane].remove(task)
                 if current is task:
                     self.solo[lane] = self.waiting_solo[lane].popleft() if self.waiting_solo[lane] else None
-        for batch in list(self.text.values()):
+        for batch in [*self.text.values(), *self.embed.values()]:
             if task in batch.tasks:
                 batch.remove(task)
                 if not len(batch):

@@ -26,7 +26,7 @@ from jobs.store import NAME_RE, ModelInfo, ModelNotFound
 from workers.importers.errors import ConversionError
 
 HUB_UNREACHABLE = "the Hugging Face hub is not reachable from here; import a GGUF or CTranslate2 model instead"
-_KINDS = ("text", "vision", "speech")
+_KINDS = ("text", "vision", "speech", "embedding")
 # Files an MLX model directory needs; skips PyTorch/ONNX/GGUF copies that hub repos often also carry.
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.npz", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
 
@@ -189,7 +189,8 @@ def remove_model(settings, name: str) -> list[str]:
 
 
 def converter_for(importer: str) -> Callable[..., dict]:
-    """The conversion function for "gguf", "gguf-vlm" or "ct2" (imported here: it loads mlx).
+    """The conversion function for "gguf", "gguf-vlm", "sentence-transformers" or "ct2" (imported here: it may load
+    mlx).
 
     All take (src, out_dir) except "gguf-vlm", which takes (model_gguf, mmproj_gguf, out_dir): bind the
     mmproj before handing it to import_into_store.
@@ -202,6 +203,10 @@ def converter_for(importer: str) -> Callable[..., dict]:
         from workers.importers.gguf_vlm import convert_gguf_vlm
 
         return convert_gguf_vlm
+    if importer == "sentence-transformers":
+        from workers.importers.sentence_transformers import convert_sentence_transformers
+
+        return convert_sentence_transformers
     from workers.importers.ct2_whisper import convert_ct2_whisper
 
     return convert_ct2_whisper

