@@ -19,7 +19,7 @@ from jobs.formats import FORMATS, GRANULARITIES
 from jobs.records import STATUSES
 from jobs.webhooks import UnsafeDestination, check_destination
 from web.jsonbody import JSONRejected, loads
-from web.schemas import ChatCompletionRequestSchema, KeepAlive
+from web.schemas import ChatCompletionRequestSchema, EmbeddingRequestSchema, KeepAlive
 from web.services import services
 
 MAX_METADATA_KEYS = 16
@@ -181,6 +181,10 @@ class JobChatRequestSchema(ChatCompletionRequestSchema, JobOptionsSchema):
     """POST /v1/jobs/chat/completions body: a chat completion request plus the job options."""
 
 
+class JobEmbeddingRequestSchema(EmbeddingRequestSchema, JobOptionsSchema):
+    """POST /v1/jobs/embeddings body: an embeddings request plus the job options."""
+
+
 class JobListQuerySchema(Schema):
     """GET /v1/jobs query."""
 
@@ -198,7 +202,9 @@ class ResultQuerySchema(Schema):
     class Meta:
         unknown = EXCLUDE
 
-    format = fields.String(load_default=None, validate=validate.OneOf(FORMATS))
+    format = fields.String(load_default=None, validate=validate.OneOf((*FORMATS, "npy")), metadata={
+        "description": "A transcription's format (default: the one it was submitted with); for an embeddings "
+                       "job, `npy`: its vectors as one float32 NumPy array file (inputs × dimensions)"})
 
 
 class EventsQuerySchema(Schema):

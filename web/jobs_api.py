@@ -16,6 +16,7 @@ from web.audio_schemas import (
     EventsQuerySchema,
     JobAcceptedSchema,
     JobChatRequestSchema,
+    JobEmbeddingRequestSchema,
     JobListQuerySchema,
     JobListSchema,
     JobSchema,
@@ -27,6 +28,7 @@ from web.errors import APIError
 from web.jobrun import KEEPALIVE_S, submit_async
 from web.jsonbody import Blueprint
 from web.media_parts import accepts_media_parts
+from web.render.embeddings import npy_file
 from web.render.jobs import event_frame, result_body
 from web.render.sse import event_stream, sse_comment
 from web.render.transcripts import transcription
@@ -34,7 +36,7 @@ from web.response_schemas import SSE, TEXT, AnyObjectSchema, ServerSentEventSche
 from web.services import Services, services
 from web.uploads import accepts_upload
 
-blp = Blueprint("jobs", __name__, url_prefix="/v1/jobs", description="Async jobs: transcriptions and chat")
+blp = Blueprint("jobs", __name__, url_prefix="/v1/jobs", description="Async jobs: transcriptions, chat and embeddings")
 
 CHAT_TIMEOUT_S = 3600
 """RQ timeout of an async chat job."""
@@ -100,6 +102,21 @@ def create_chat(body):
     return _accepted(request.id, warning)
 
 
+@blp.route("/embeddings", methods=["POST"])
+@blp.arguments(JobEmbeddingRequestSchema())
+@blp.response(202, JobAcceptedSchema)
+def create_embeddings(body):
+    """Submit an async embeddings request; its result is an embedding list (or, from /result?format=npy, a .npy
+    file of its vectors)."""
+    request = intake.embedding_request(body, queues.new_job_id("job"), is_async=True)
+    fields = {"model": request.model.id, "metadata": body["metadata"] or {}, "webhook_url": body["webhook_url"],
+              "params": {"encoding_format": body["encoding_format"]}}
+    warning = submit_async(request, "embedding", fields, queues.EMBEDDING,
+                           f"embed {len(request.inputs)} inputs ({request.model.id}, async)",
+                           timeout_s=CHAT_TIMEOUT_S, meta={"kind": "embedding", "model": request.model.id})
+    return _accepted(request.id, warning)
+
+
 @blp.route("", methods=["GET"])
 @blp.arguments(JobListQuerySchema(), location="query")
 @blp.response(200, JobListSchema)
@@ -127,17 +144,21 @@ def get_job(job_id: str):
     if record["status"] == "queued":
         extra["queue_position"] = records.queue_position(svc.redis, job_id)
     if record["status"] == "succeeded":
-        extra["result"] = result_body(record, records.get_result(svc.redis, job_id))
+        params = (records.load(svc.redis, job_id) or {}).get("params")
+        extra["result"] = result_body(record, records.get_result(svc.redis, job_id), params)
     return {**record, **extra}
 
 
 @blp.route("/<job_id>/result", methods=["GET"])
 @blp.arguments(ResultQuerySchema(), location="query")
 @blp.response(200, AnyObjectSchema, description="A transcription (in the format asked for: text as text/plain, srt "
-              "as application/x-subrip, vtt as text/vtt) or a chat.completion object")
+              "as application/x-subrip, vtt as text/vtt), a chat.completion object, or an embedding list (with "
+              "format=npy, a .npy file of its vectors)")
 @blp.alt_response(200, schema={"type": "string"}, content_type=TEXT, success=True)
 @blp.alt_response(200, schema={"type": "string"}, content_type="application/x-subrip", success=True)
 @blp.alt_response(200, schema={"type": "string"}, content_type="text/vtt", success=True)
+@blp.alt_response(200, schema={"type": "string", "format": "binary"}, content_type="application/octet-stream",
+                  success=True)
 @blp.alt_response(409, description="The job has not succeeded (yet)")
 def job_result(query, job_id: str):
     """A finished job's result (transcriptions in any response format); 409 while it is not ready."""
@@ -156,9 +177,15 @@ def job_result(query, job_id: str):
     result = records.get_result(svc.redis, job_id)
     if result is None:
         raise APIError(404, f"The result of job '{job_id}' has expired.", "result_expired")
-    if record["kind"] != "transcription":
-        return jsonify(result_body(record, result))
     params = (records.load(svc.redis, job_id) or {}).get("params") or {}
+    if record["kind"] == "embedding" and query["format"] == "npy":
+        return Response(npy_file(result), mimetype="application/octet-stream",
+                        headers={"Content-Disposition": f'attachment; filename="{job_id}.npy"'})
+    if query["format"] not in (None, "json") and record["kind"] != "transcription" or query["format"] == "npy":
+        raise APIError(400, f"format={query['format']} is not one of a {record['kind']} job's result formats "
+                            f"({'npy, json' if record['kind'] == 'embedding' else 'json'}).", "invalid_value", "format")
+    if record["kind"] != "transcription":
+        return jsonify(result_body(record, result, params))
     fmt = query["format"] or params.get("response_format") or "json"
     return transcription(result, fmt, params.get("timestamp_granularities") or ("segment",))
 

@@ -4,6 +4,7 @@ client: vectors checked against a float32 numpy reference computed here from the
 from __future__ import annotations
 
 import base64
+import io
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -11,6 +12,7 @@ import openai
 import pytest
 
 from tests.embedding_reference import reference_embeddings, reference_token_ids
+from tests.integration.test_transcription import read_sse
 
 MODEL = "minilm-l6"
 PARAPHRASES = ["A man is eating food.", "A man is eating a piece of bread."]
@@ -120,3 +122,24 @@ def test_models_of_other_kinds_are_refused_on_each_side(openai_client):
     with pytest.raises(openai.BadRequestError) as info:
         openai_client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     assert (info.value.body["code"], info.value.body["param"]) == ("invalid_model", "model")
+
+
+def test_an_async_embeddings_job_gives_its_list_and_a_npy_file_of_its_vectors(api, model_dir):
+    texts = [f"Document {i} of an async job about {'cats' if i % 2 else 'ships'}." for i in range(40)]
+    response = api.post("/v1/jobs/embeddings", json={"model": MODEL, "input": texts, "encoding_format": "base64",
+                                                     "metadata": {"batch": "7"}})
+    assert response.status_code == 202, response.text
+    job = response.json()
+    assert read_sse(api, job["links"]["events"])[-1]["event"] == "done"
+    listed = api.get(job["links"]["result"]).json()
+    assert [d["index"] for d in listed["data"]] == list(range(40)) and isinstance(listed["data"][0]["embedding"], str)
+    npy = api.get(job["links"]["result"], params={"format": "npy"})
+    assert npy.status_code == 200 and npy.headers["content-type"] == "application/octet-stream"
+    array = np.load(io.BytesIO(npy.content))
+    assert array.dtype == np.float32 and array.shape == (40, 384)
+    np.testing.assert_allclose(array, reference_embeddings(model_dir, texts), atol=1e-3)
+    np.testing.assert_array_equal(array[3], np.frombuffer(base64.b64decode(listed["data"][3]["embedding"]), "<f4"))
+    record = api.get(job["links"]["self"]).json()
+    assert record["kind"] == "embedding" and record["metadata"] == {"batch": "7"} and record["result"]["object"] == "list"
+    wrong = api.get(job["links"]["result"], params={"format": "srt"})
+    assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "format"

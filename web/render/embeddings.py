@@ -26,6 +26,15 @@ def embedding_list(done: dict, encoding_format: str = "float") -> dict:
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
+def npy_file(done: dict) -> bytes:
+    """The vectors as a NumPy .npy file (version 1.0): one little-endian float32 row per input."""
+    rows, width = len(done["embeddings"]), int(done["dimensions"])
+    header = f"{{'descr': '<f4', 'fortran_order': False, 'shape': ({rows}, {width}), }}"
+    header += " " * (-(10 + len(header) + 1) % 64) + "\n"  # the data starts 64-byte aligned
+    return (b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header.encode("latin-1")
+            + b"".join(base64.b64decode(row) for row in done["embeddings"]))
+
+
 class Embeddings(Renderer):
     """An embeddings answer (never streamed)."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from web.render.embeddings import embedding_list
 from web.render.openai import chat_completion
 from web.render.sse import sse_data
 
@@ -11,8 +12,11 @@ def event_frame(event: dict) -> str:
     return sse_data(event["data"], event_id=event["id"], event=event["type"])
 
 
-def result_body(record: dict, result: dict | None):
-    """An async job's result as clients see it: verbose_json, or a chat.completion object for chat."""
+def result_body(record: dict, result: dict | None, params: dict | None = None):
+    """An async job's result as clients see it: verbose_json, a chat.completion object for chat, an embedding
+    list for embeddings (`params`: what the job was submitted with, its encoding_format)."""
+    if record["kind"] == "embedding" and result is not None:
+        return embedding_list(result, (params or {}).get("encoding_format") or "float")
     if record["kind"] != "chat" or result is None:
         return result
     return chat_completion(record["id"], result.get("created") or record["created_at"],
