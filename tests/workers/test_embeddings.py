@@ -147,3 +147,12 @@ def test_pooling_modes_use_only_the_real_tokens():
     assert embeddings.pool(hidden, mask, "cls").tolist() == [[1.0, 0.0]]
     assert embeddings.pool(hidden, mask, "max").tolist() == [[3.0, 2.0]]
     assert embeddings.pool(hidden, mask, "lasttoken").tolist() == [[3.0, 2.0]]
+
+
+def test_the_bert_forward_with_cpu_math_gives_mlx_embeddings_own_hidden_states(run, ref):
+    model = encoder(run, ref).model
+    ids = mx.array([[101, 1037, 2158, 2003, 5983, 2833, 1012, 102], [101, 1996, 2047, 102, 0, 0, 0, 0]])
+    mask = (ids != 0).astype(mx.float32)
+    ours = embeddings.bert_hidden(model, ids, mask)
+    theirs = model(ids, attention_mask=mask).last_hidden_state
+    assert mx.abs((ours - theirs) * mask[..., None]).max().item() < 1e-4  # the padding rows' own states differ

@@ -54,11 +54,14 @@ def _can_fuse() -> bool:
     return False
 
 
-def attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
-    """softmax(q k^T * scale) v for heads laid out [B, heads, length, dim] (no mask)."""
+def attention(q: mx.array, k: mx.array, v: mx.array, scale: float, bias: mx.array | None = None) -> mx.array:
+    """softmax(q k^T * scale + bias) v for heads laid out [B, heads, length, dim] (`bias`: an additive mask that
+    broadcasts to the scores, or None)."""
     if not polynomials():
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=bias)
     scores = (q * scale) @ k.swapaxes(-1, -2)
+    if bias is not None:
+        scores = scores + bias
     weights = exp_below_max(scores, scores.max(axis=-1, keepdims=True))
     # Normalising the [.., length, dim] output rather than the [.., length, keys] weights saves a pass.
     return (weights @ v) / weights.sum(axis=-1, keepdims=True)

@@ -24,6 +24,7 @@ from jobs.contract import EmbeddingRequest, EmbeddingResult
 from jobs.errors import Canceled, InvalidRequest
 from jobs.keys import cancel_flag
 from jobs.model_files import EmbeddingFacts, embedding_facts
+from workers.backends import cpu_math
 from workers.backends.base import Outcome
 
 PASS_TOKENS_GPU = 16384
@@ -42,6 +43,7 @@ class Encoder:
     def __init__(self, model, tokenizer, facts: EmbeddingFacts, vocab_size: int):
         self.model, self.tokenizer, self.facts, self.vocab_size = model, tokenizer, facts, vocab_size
         self.prefix, self.suffix = _special_tokens(tokenizer)
+        self.facts_bert = getattr(getattr(model, "config", None), "model_type", None) == "bert"
         self.pad_id = tokenizer.token_to_id("[PAD]") or tokenizer.token_to_id("<pad>") or 0
 
     def parameters(self):
@@ -69,11 +71,31 @@ class Encoder:
             ids[r, :len(row)] = row
             mask[r, :len(row)] = 1.0
         mask_mx = mx.array(mask)
-        hidden = self.model(mx.array(ids), attention_mask=mask_mx).last_hidden_state.astype(mx.float32)
+        if self.facts_bert:
+            hidden = bert_hidden(self.model, mx.array(ids), mask_mx).astype(mx.float32)
+        else:
+            hidden = self.model(mx.array(ids), attention_mask=mask_mx).last_hidden_state.astype(mx.float32)
         vectors = pool(hidden, mask_mx, self.facts.pooling)
         if self.facts.normalize:
             vectors = vectors / mx.maximum(mx.linalg.norm(vectors, axis=-1, keepdims=True), 1e-12)
         return np.array(vectors)
+
+
+def bert_hidden(model, ids: mx.array, mask: mx.array) -> mx.array:
+    """The last hidden states of mlx-embeddings' BERT for padded rows (`mask` 1 on real tokens), its own modules
+    run with cpu_math's attention and GELU: fused kernels on a GPU, and on a CPU polynomials in place of MLX's exp
+    and erf, which take an element at a time there (they were most of a pass)."""
+    x = model.embeddings(ids)
+    bias = ((mask - 1.0) * 1e9)[:, None, None, :]  # padding keys get nothing (rows are never all padding)
+    for layer in model.encoder.layer:
+        heads = layer.attention.self
+        rows, length, width = x.shape
+        q, k, v = (proj(x).reshape(rows, length, heads.num_attention_heads, -1).transpose(0, 2, 1, 3)
+                   for proj in (heads.query, heads.key, heads.value))
+        context = cpu_math.attention(q, k, v, scale=heads.attention_head_size ** -0.5, bias=bias)
+        attended = layer.attention.output(context.transpose(0, 2, 1, 3).reshape(rows, length, width), x)
+        x = layer.output(cpu_math.gelu(layer.intermediate.dense(attended)), attended)
+    return x
 
 
 def pool(hidden: mx.array, mask: mx.array, mode: str) -> mx.array:
