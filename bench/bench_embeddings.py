@@ -20,7 +20,7 @@ request to the last answer), each round's and the median; and mlxq ÷ direct, ml
 direct ÷ onnxruntime.
 
     python bench/bench_embeddings.py --model DIR [--rounds 3] [--workloads 1x1,64x32] [--min-requests 64]
-        [--no-mlxq] [--no-onnx] [--torch] [--served-name minilm-l6] [--store DIR] [--out r.json]
+        [--no-mlxq] [--no-onnx] [--torch] [--http-client] [--served-name minilm-l6] [--store DIR] [--out r.json]
 """
 
 from __future__ import annotations
@@ -285,6 +285,29 @@ class Mlxq:
         return np.array([d.embedding for d in data], np.float32)
 
 
+class MlxqHttp(Mlxq):
+    """The same calls through plain httpx, the vectors decoded with numpy: what the service costs without the
+    openai client's parsing (it turns each vector into a list of Python floats and validates them)."""
+
+    name = "mlxq_http"
+
+    def __init__(self, base: str, model: str, threads: int):
+        import httpx
+
+        self.http = httpx.Client(base_url=base, timeout=600, limits=httpx.Limits(max_connections=threads))
+        self.model, self.pool = model, ThreadPoolExecutor(threads)
+
+    def one(self, texts: list[str]) -> np.ndarray:
+        """One request's vectors, asked for as base64."""
+        import base64
+
+        response = self.http.post("/v1/embeddings", json={"model": self.model, "input": texts,
+                                                          "encoding_format": "base64"})
+        response.raise_for_status()
+        data = sorted(response.json()["data"], key=lambda d: d["index"])
+        return np.stack([np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in data])
+
+
 def texts_per_s(contestant, runs: list[list[list[str]]]) -> float:
     """Texts per second of wall time for the workload's runs, one after the other."""
     start = time.perf_counter()
@@ -327,8 +350,8 @@ def summarize(samples: dict) -> dict:
     for key, by_name in samples.items():
         entry = {name: {"texts_per_s_p50": round(statistics.median(s), 1), "texts_per_s_runs": [round(x, 1) for x in s]}
                  for name, s in by_name.items()}
-        for a, b in (("mlxq", "direct"), ("mlxq", "onnxruntime"), ("mlxq", "torch"), ("direct", "onnxruntime"),
-                     ("direct", "torch")):
+        for a, b in (("mlxq", "direct"), ("mlxq", "onnxruntime"), ("mlxq", "torch"), ("mlxq_http", "direct"),
+                     ("mlxq_http", "torch"), ("direct", "onnxruntime"), ("direct", "torch")):
             if a in entry and b in entry:
                 entry[f"{a}_vs_{b}"] = round(entry[a]["texts_per_s_p50"] / entry[b]["texts_per_s_p50"], 3)
         report[key] = entry
@@ -361,6 +384,8 @@ def main() -> None:
     parser.add_argument("--no-mlxq", action="store_true")
     parser.add_argument("--no-onnx", action="store_true")
     parser.add_argument("--torch", action="store_true", help="add transformers' BertModel on PyTorch (GPU if any)")
+    parser.add_argument("--http-client", action="store_true",
+                        help="add mlxq through plain httpx (mlxq_http): the service without the openai client's parsing")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     model_dir = args.model or args.store / args.served_name
@@ -390,6 +415,8 @@ def main() -> None:
                 "MLXQ_MODELS_DIR": str(args.store), "MLXQ_DEFAULT_MODEL": args.served_name})
             procs += server.procs
             contestants.insert(0, Mlxq(server.base, args.served_name, max(r for r, _ in workloads)))
+            if args.http_client:
+                contestants.insert(1, MlxqHttp(server.base, args.served_name, max(r for r, _ in workloads)))
         report["max_abs_diff_vs_direct"] = check_and_warm(contestants, workloads)
         samples = measure(contestants, workloads, args.rounds, args.min_requests)
     finally:

@@ -53,7 +53,7 @@ def tell(task: Task, result: Outcome | BaseException) -> dict | None:
 def record(task: Task, result: Outcome | BaseException, data: dict | None) -> None:
     """Record a told task's end in RQ and the metrics (`data`: what `tell` returned)."""
     if isinstance(result, Outcome):
-        rqjobs.succeed(task.job, task.execution, result.done)
+        rqjobs.succeed(task.job, task.execution, result.done if result.kept is None else result.kept)
         worker_metrics.job_ended(task.run.conn, task, result.done, None)
         log.info("finished %s in %.2fs", task.job.id, time.monotonic() - task.started)
     else:

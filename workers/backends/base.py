@@ -25,11 +25,13 @@ from typing import Any, Protocol
 @dataclass(frozen=True)
 class Outcome:
     """How a run ended well: the `done` event's data, what an async job's record keeps (default:
-    the same), and events to publish just before `done`, in the same round trip."""
+    the same), events to publish just before `done`, in the same round trip, and what RQ keeps as the job's
+    return value, which rq-dashboard shows (default: `done`)."""
 
     done: dict
     result: dict | None = None
     before: list = field(default_factory=list)
+    kept: dict | None = None
 
 
 class Backend(Protocol):

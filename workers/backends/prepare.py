@@ -32,9 +32,9 @@ as it is taken (~0.1–0.4 ms: a template and a short tokenization). On the prep
 chats fought the loop for Python's lock: each of the burst's starts took ~1 ms on the H100 host (2026-11-27),
 and the look for the rest of the burst came ~75 ms late."""
 
-_THREADS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="mlxq-text-prepare")
+THREADS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="mlxq-prepare")
 """The worker's preparing threads (tokenizers and llguidance let go of the GIL): a short chat is not
-prepared after the long prompts that came just before it."""
+prepared after the long prompts that came just before it; embedding requests are tokenized there too."""
 
 
 @dataclass
@@ -52,7 +52,7 @@ def submit(prepare: Callable, request, light_chars: int | None = None) -> Future
     """Prepare `request` with `prepare`: a light one (`light`, at most `light_chars` characters: LIGHT_CHARS
     unless said) at once, on this thread; any other on a preparing thread."""
     if not light(request, LIGHT_CHARS if light_chars is None else light_chars):
-        return _THREADS.submit(prepare, request)
+        return THREADS.submit(prepare, request)
     future = Future()
     try:
         future.set_result(prepare(request))
