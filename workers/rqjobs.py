@@ -116,16 +116,25 @@ def heartbeat(running: list[tuple[Job, Execution]]) -> None:
 
 def succeed(job: Job, execution: Execution, return_value) -> None:
     """Record the job finished, with its return value (kept for its result TTL)."""
-    result_ttl = job.get_result_ttl(500)
-    job.ended_at = now()
-    with job.connection.pipeline() as pipe:
-        job.set_status(JobStatus.FINISHED, pipeline=pipe)
-        job.save(pipeline=pipe, include_meta=False, include_result=False)
-        Result.create(job, Result.Type.SUCCESSFUL, ttl=result_ttl, return_value=return_value,
-                      worker_name=execution.worker_name, pipeline=pipe, execution_id=execution.id)
-        job.finished_job_registry.add(job, ttl=result_ttl, pipeline=pipe)
-        job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
-        execution.delete(job=job, pipeline=pipe)
+    succeed_many([(job, execution, return_value)])
+
+
+def succeed_many(finished: list[tuple[Job, Execution, object]]) -> None:
+    """Record several jobs finished (each as `succeed`), in one round trip: 64 requests ending at one step cost
+    the worker's loop a round trip each."""
+    if not finished:
+        return
+    with finished[0][0].connection.pipeline() as pipe:
+        for job, execution, return_value in finished:
+            result_ttl = job.get_result_ttl(500)
+            job.ended_at = now()
+            job.set_status(JobStatus.FINISHED, pipeline=pipe)
+            job.save(pipeline=pipe, include_meta=False, include_result=False)
+            Result.create(job, Result.Type.SUCCESSFUL, ttl=result_ttl, return_value=return_value,
+                          worker_name=execution.worker_name, pipeline=pipe, execution_id=execution.id)
+            job.finished_job_registry.add(job, ttl=result_ttl, pipeline=pipe)
+            job.cleanup(result_ttl, pipeline=pipe, remove_from_queue=False)
+            execution.delete(job=job, pipeline=pipe)
         pipe.execute()
 
 

@@ -42,24 +42,32 @@ class Task:
 
 def tell(task: Task, result: Outcome | BaseException) -> dict | None:
     """The job's end as its client sees it (record, webhook, terminal event); the error event's data, if
-    it failed. `record` must follow: several tasks ending at one step are all told first, then recorded
-    (their clients' answers do not wait for each other's bookkeeping)."""
+    it failed. `record_many` must follow: several tasks ending at one step are all told first, then recorded
+    together (their clients' answers do not wait for each other's bookkeeping)."""
     if isinstance(result, Outcome):
         task.run.finish(result.done, result.result, result.before)
         return None
     return task.run.fail(result)
 
 
-def record(task: Task, result: Outcome | BaseException, data: dict | None) -> None:
-    """Record a told task's end in RQ and the metrics (`data`: what `tell` returned)."""
-    if isinstance(result, Outcome):
-        rqjobs.succeed(task.job, task.execution, result.done if result.kept is None else result.kept)
-        worker_metrics.job_ended(task.run.conn, task, result.done, None)
-        log.info("finished %s in %.2fs", task.job.id, time.monotonic() - task.started)
-    else:
-        rqjobs.fail(task.job, task.execution, f"{data['code']}: {data['message']}")
-        worker_metrics.job_ended(task.run.conn, task, None, result)
-        log.info("failed %s: %s %s", task.job.id, data["status"], data["code"])
+def record_many(told: list[tuple[Task, Outcome | BaseException, dict | None]]) -> None:
+    """Record the ends of told tasks in RQ and the metrics (`told`: each task, its result and what `tell`
+    returned): the successes and the metrics in one round trip each, however many."""
+    if not told:
+        return
+    done = [(task, result) for task, result, _ in told if isinstance(result, Outcome)]
+    rqjobs.succeed_many([(task.job, task.execution, result.done if result.kept is None else result.kept)
+                         for task, result in done])
+    for task, result, data in told:
+        if not isinstance(result, Outcome):
+            rqjobs.fail(task.job, task.execution, f"{data['code']}: {data['message']}")
+    worker_metrics.jobs_ended(told[0][0].run.conn, [
+        (task, result.done, None) if isinstance(result, Outcome) else (task, None, result) for task, result, _ in told])
+    for task, result, data in told:
+        if isinstance(result, Outcome):
+            log.info("finished %s in %.2fs", task.job.id, time.monotonic() - task.started)
+        else:
+            log.info("failed %s: %s %s", task.job.id, data["status"], data["code"])
 
 
 def resumable(task: Task) -> bool:

@@ -42,7 +42,7 @@ from workers.backends.embeddings import PASS_TOKENS_CPU, PASS_TOKENS_GPU, Embedd
 from workers.backends.prompt_cache import PromptCache
 from workers.backends.textbatch import TextBatch, batchable
 from workers.models import batch_key
-from workers.running import Task, hand_back, record, resumable, tell
+from workers.running import Task, hand_back, record_many, resumable, tell
 
 log = logging.getLogger(__name__)
 
@@ -339,8 +339,9 @@ class Scheduler:
             for task, result in ended:
                 told.append((task, result, tell(task, result)))
         finally:  # those told before Redis went away are recorded too (or the outage's handling ends them)
-            for task, result, data in told:
-                record(task, result, data)
+            if told:
+                record_many(told)  # in two round trips, however many
+            for task, _, _ in told:
                 self.release(task)
 
     def _hand_back(self, task: Task) -> None:
