@@ -197,6 +197,18 @@ def test_word_timestamps_on_ogg(api, clips):
     assert body["segments"]
 
 
+@pytest.mark.parametrize("chunking", [None, "auto"])
+def test_each_word_says_how_sure_the_model_was(api, clips, chunking):
+    extra = {"chunking_strategy": chunking} if chunking else {}
+    response = transcribe_sync(api, clips["coat"], response_format="verbose_json",
+                               **{"timestamp_granularities[]": ["word"]}, **extra)
+    assert response.status_code == 200, response.text
+    probabilities = [w["probability"] for w in response.json()["words"]]
+    assert probabilities and all(0 < p <= 1 for p in probabilities)
+    assert sum(probabilities) / len(probabilities) > 0.5, probabilities  # clear speech: mostly sure
+    assert min(probabilities) < max(probabilities)  # a word's own figure, not one for all
+
+
 def test_openai_client_stream(openai_client, service, clips):
     with open(clips["harbor"], "rb") as f:
         stream = openai_client.audio.transcriptions.create(model=MODEL, file=f, stream=True)

@@ -94,13 +94,19 @@ def spoken_segments(segments: list[dict]) -> list[dict]:
     return [seg for seg in segments if seg["text"].strip() and seg["end"] > seg["start"]]
 
 
+SMALLEST_PROBABILITY = 1e-6
+"""A word's probability is at least this: a mean of float32 token probabilities may round to 0."""
+
+
 def public_segment(seg: dict) -> dict:
-    """Plain JSON types, words reduced to OpenAI's {"word", "start", "end"} (trimmed)."""
+    """Plain JSON types, words reduced to OpenAI's {"word", "start", "end"} (trimmed) and faster-whisper's
+    `probability`: the mean probability of the word's tokens in the alignment pass that times them."""
     out = {k: v for k, v in seg.items() if k != "words"}
     for key in ("temperature", "avg_logprob", "compression_ratio", "no_speech_prob"):
         out[key] = float(out[key])
     if "words" in seg:
-        out["words"] = [{"word": w["word"].strip(), "start": float(w["start"]), "end": float(w["end"])}
+        out["words"] = [{"word": w["word"].strip(), "start": float(w["start"]), "end": float(w["end"]),
+                         "probability": round(min(1.0, max(float(w["probability"]), SMALLEST_PROBABILITY)), 4)}
                         for w in seg["words"]]
     return out
 
