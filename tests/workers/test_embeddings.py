@@ -121,12 +121,14 @@ def test_a_canceled_request_leaves_and_the_others_are_answered(redis_conn, setti
 
 def test_an_input_past_the_models_room_fails_only_its_request(redis_conn, settings, run, ref):
     long = embed(ref, ["fine", "word " * 300])
+    empty = embed(ref, [])  # (the web refuses it; a payload from elsewhere must not take the batch down)
     fine = embed(ref, ["fine"])
-    submit(redis_conn, settings, long)
-    submit(redis_conn, settings, fine)
+    for request in (long, empty, fine):
+        submit(redis_conn, settings, request)
     run.run()
     error = terminal(redis_conn, long.id)["data"]
     assert (error["status"], error["param"], error["code"]) == (400, "input[1]", "context_length_exceeded")
+    assert terminal(redis_conn, empty.id)["data"]["status"] == 400
     assert vectors(redis_conn, fine.id).shape == (1, 384)
 
 

@@ -44,8 +44,9 @@ class Encoder:
     def __init__(self, model, tokenizer, facts: EmbeddingFacts, vocab_size: int):
         self.model, self.tokenizer, self.facts, self.vocab_size = model, tokenizer, facts, vocab_size
         self.prefix, self.suffix = _special_tokens(tokenizer)
-        self.facts_bert = getattr(getattr(model, "config", None), "model_type", None) == "bert"
-        self.pad_id = tokenizer.token_to_id("[PAD]") or tokenizer.token_to_id("<pad>") or 0
+        # BERT runs through bert_hidden; other encoders (xlm-roberta, modernbert) through their own module.
+        self.bert = getattr(getattr(model, "config", None), "model_type", None) == "bert"
+        self.pad_id = next((i for i in map(tokenizer.token_to_id, ("[PAD]", "<pad>")) if i is not None), 0)
 
     def parameters(self):
         """The module's parameters (what the model manager counts)."""
@@ -72,7 +73,7 @@ class Encoder:
             ids[r, :len(row)] = row
             mask[r, :len(row)] = 1.0
         mask_mx = mx.array(mask)
-        if self.facts_bert:
+        if self.bert:
             hidden = bert_hidden(self.model, mx.array(ids), mask_mx).astype(mx.float32)
         else:
             hidden = self.model(mx.array(ids), attention_mask=mask_mx).last_hidden_state.astype(mx.float32)
@@ -197,6 +198,8 @@ class EmbeddingBatch:
 
     def _tokens(self, request: EmbeddingRequest) -> list[list[int]]:
         """The request's inputs' token ids; InvalidRequest names the first input that does not fit the model."""
+        if not request.inputs:  # (the web refuses it first; a payload may not come from it)
+            raise InvalidRequest("'input' must not be empty.", code="invalid_value", param="input")
         ids = self.encoder.token_ids(request.inputs)
         room, vocab = self.encoder.facts.max_tokens, self.encoder.vocab_size
         for i, (item, row) in enumerate(zip(request.inputs, ids, strict=True)):
