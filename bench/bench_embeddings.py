@@ -42,7 +42,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from bench.bench_text import reexec_with_worker_blas, start_mlxq  # noqa: E402
-from bench.common import start_redis, write_report  # noqa: E402
+from bench.common import cpu_seconds, start_redis, write_report  # noqa: E402
 
 PASS_TEXTS = 256
 """Most texts an in-process contestant encodes in one forward pass."""
@@ -308,12 +308,32 @@ class MlxqHttp(Mlxq):
         return np.stack([np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in data])
 
 
-def texts_per_s(contestant, runs: list[list[list[str]]]) -> float:
-    """Texts per second of wall time for the workload's runs, one after the other."""
+CPU_USE: dict[str, dict[str, list[float]]] = {}
+"""Per workload, for mlxq's rounds: the CPU seconds per second of wall time of each of its processes and of this
+bench's (the client threads); a process near 1.0 (or the web's two near 2.0 together) is the limit."""
+
+
+def cpu_now(procs: dict[str, int]) -> dict[str, float]:
+    """CPU seconds used so far by each watched process, and by this one (the clients)."""
+    times = os.times()
+    return {**{name: cpu_seconds(pid) for name, pid in procs.items()}, "client": times.user + times.system}
+
+
+def texts_per_s(contestant, runs: list[list[list[str]]], key: str = "") -> float:
+    """Texts per second of wall time for the workload's runs, one after the other (for mlxq, its processes' CPU
+    use noted in CPU_USE)."""
+    watched = getattr(contestant, "procs", None)
+    before = cpu_now(watched) if watched else None
     start = time.perf_counter()
     for requests in runs:
         contestant.run(requests)
-    return sum(len(t) for requests in runs for t in requests) / (time.perf_counter() - start)
+    wall = time.perf_counter() - start
+    if watched:
+        after = cpu_now(watched)
+        for name in after:
+            CPU_USE.setdefault(f"{key} {contestant.name}", {}).setdefault(name, []).append(
+                (after[name] - before[name]) / wall)
+    return sum(len(t) for requests in runs for t in requests) / wall
 
 
 def check_and_warm(contestants: list, workloads: list[tuple[int, int]]) -> dict:
@@ -340,7 +360,7 @@ def measure(contestants: list, workloads: list[tuple[int, int]], rounds: int, mi
             runs = [split(make_texts(f"round {n} {key} run {k}", requests * inputs), inputs)
                     for k in range(-(-min_requests // requests))]
             for c in contestants[n % len(contestants):] + contestants[:n % len(contestants)]:
-                samples[key][c.name].append(texts_per_s(c, runs))
+                samples[key][c.name].append(texts_per_s(c, runs, key))
     return samples
 
 
@@ -417,6 +437,9 @@ def main() -> None:
             contestants.insert(0, Mlxq(server.base, args.served_name, max(r for r, _ in workloads)))
             if args.http_client:
                 contestants.insert(1, MlxqHttp(server.base, args.served_name, max(r for r, _ in workloads)))
+            watched = {proc.name: proc.process.pid for proc in [*server.procs, redis_proc]}
+            for c in contestants[:2 if args.http_client else 1]:
+                c.procs = watched
         report["max_abs_diff_vs_direct"] = check_and_warm(contestants, workloads)
         samples = measure(contestants, workloads, args.rounds, args.min_requests)
     finally:
@@ -424,8 +447,12 @@ def main() -> None:
             proc.stop()
     report["load_average_end"] = os.getloadavg()
     report["workloads"] = summarize(samples)
+    report["mlxq_cpu_per_wall"] = {run: {name: round(statistics.median(v), 2) for name, v in by.items()}
+                                   for run, by in CPU_USE.items()}
     write_report(report, args.out)
     print_table(report["workloads"])
+    for run, by in report["mlxq_cpu_per_wall"].items():
+        print(f"{run}: CPU s/s " + ", ".join(f"{name} {v}" for name, v in by.items()))
 
 
 if __name__ == "__main__":
