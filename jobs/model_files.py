@@ -39,6 +39,18 @@ def _dir_key(path) -> int | None:
         return None
 
 
+def _read_text(path: Path) -> str | None:
+    """A small text file's contents (None if missing), memoized on mtime and size."""
+    key = _file_key(path)
+    if key is None:
+        return None
+    hit = _text_memo.get(path)
+    if hit is None or hit[0] != key:
+        hit = (key, path.read_text(encoding="utf-8", errors="replace"))
+        _text_memo[path] = hit
+    return hit[1]
+
+
 def read_json(path: Path) -> dict | None:
     """Return the JSON object in `path` (None if missing or invalid), memoized on mtime and size."""
     key = _file_key(path)
@@ -151,16 +163,11 @@ def embedding_facts(path: Path, config: dict | None = None) -> EmbeddingFacts | 
 
 def _modules_of(path: Path) -> list[dict]:
     """sentence-transformers' modules.json (a list, which read_json does not take), memoized like it."""
-    file = path / "modules.json"
-    key = _file_key(file)
-    if key is None:
+    text = _read_text(path / "modules.json")
+    if text is None:
         return []
-    hit = _text_memo.get(file)
-    if hit is None or hit[0] != key:
-        hit = (key, file.read_text(encoding="utf-8", errors="replace"))
-        _text_memo[file] = hit
     try:
-        modules = json.loads(hit[1])
+        modules = json.loads(text)
     except ValueError:
         return []
     return [m for m in modules if isinstance(m, dict)] if isinstance(modules, list) else []
@@ -321,14 +328,9 @@ def _vocab_markers(path: Path) -> set[str]:
 def chat_template_of(path: Path) -> str | None:
     """A model directory's chat template: chat_template.jinja, else tokenizer_config.json's (the default
     one when it lists several)."""
-    jinja = path / "chat_template.jinja"
-    key = _file_key(jinja)
-    if key is not None:
-        hit = _text_memo.get(jinja)
-        if hit is None or hit[0] != key:
-            hit = (key, jinja.read_text(encoding="utf-8", errors="replace"))
-            _text_memo[jinja] = hit
-        return hit[1]
+    jinja = _read_text(path / "chat_template.jinja")
+    if jinja is not None:
+        return jinja
     template = (read_json(path / "tokenizer_config.json") or {}).get("chat_template")
     if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}

@@ -9,6 +9,7 @@ from flask import Response, jsonify, request, url_for
 
 from jobs import queues, records
 from jobs.events import HEARTBEAT, has_ended, read_log
+from jobs.formats import FORMATS
 from jobs.lifecycle import cancel_queued, request_cancel, settle
 from jobs.subscriber import IDLE, follow
 from web import intake
@@ -40,6 +41,9 @@ blp = Blueprint("jobs", __name__, url_prefix="/v1/jobs", description="Async jobs
 
 CHAT_TIMEOUT_S = 3600
 """RQ timeout of an async chat job."""
+
+RESULT_FORMATS = {"transcription": FORMATS, "embedding": ("json", "npy")}
+"""What GET /v1/jobs/{id}/result?format= may ask of each kind of job (others: json only)."""
 
 
 def _links(job_id: str) -> dict:
@@ -178,16 +182,18 @@ def job_result(query, job_id: str):
     if result is None:
         raise APIError(404, f"The result of job '{job_id}' has expired.", "result_expired")
     params = (records.load(svc.redis, job_id) or {}).get("params") or {}
-    if record["kind"] == "embedding" and query["format"] == "npy":
+    kind, asked = record["kind"], query["format"]
+    formats = RESULT_FORMATS.get(kind, ("json",))
+    if asked is not None and asked not in formats:
+        raise APIError(400, f"format={asked} is not one of a {kind} job's result formats ({', '.join(formats)}).",
+                       "invalid_value", "format")
+    if asked == "npy":
         return Response(npy_file(result), mimetype="application/octet-stream",
                         headers={"Content-Disposition": f'attachment; filename="{job_id}.npy"'})
-    if query["format"] not in (None, "json") and record["kind"] != "transcription" or query["format"] == "npy":
-        raise APIError(400, f"format={query['format']} is not one of a {record['kind']} job's result formats "
-                            f"({'npy, json' if record['kind'] == 'embedding' else 'json'}).", "invalid_value", "format")
-    if record["kind"] != "transcription":
+    if kind != "transcription":
         return jsonify(result_body(record, result, params))
-    fmt = query["format"] or params.get("response_format") or "json"
-    return transcription(result, fmt, params.get("timestamp_granularities") or ("segment",))
+    return transcription(result, asked or params.get("response_format") or "json",
+                         params.get("timestamp_granularities") or ("segment",))
 
 
 _EVENT_ID = re.compile(r"^[0-9]{1,15}$")
