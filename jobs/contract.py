@@ -103,12 +103,14 @@ class TextRequest:
 
 @dataclass(frozen=True)
 class TranscriptionRequest:
-    """Speech to text of a spooled upload (OpenAI's transcription parameters)."""
+    """Speech to text of a spooled upload, or of a `file_url` the worker fetches to `audio_path` first (OpenAI's
+    transcription parameters)."""
 
     id: str
     model: ModelRef
     audio_path: str
     filename: str = ""
+    file_url: str | None = None
     language: str | None = None
     prompt: str | None = None
     temperature: float = 0.0

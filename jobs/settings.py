@@ -139,6 +139,13 @@ class Settings:
     image_fetch_allow_private: bool = False
     """Allow image URLs that resolve to loopback or private addresses (tests, LANs)."""
 
+    audio_fetch_timeout_s: float = 1800.0
+    """Deadline for fetching an async job's `file_url` (redirects included), in seconds; the file is also held
+    to MLXQ_MAX_UPLOAD_MB and MLXQ_MAX_AUDIO_S like an upload."""
+
+    audio_fetch_allow_private: bool = False
+    """Allow `file_url`s that resolve to loopback or private addresses (tests, LANs)."""
+
     max_audio_parts: int = 5
     """Most input_audio parts in one chat request (each also counts against max_upload_mb and max_audio_s)."""
 

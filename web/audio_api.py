@@ -56,7 +56,7 @@ def _speech_to_text(form: dict, task: str):
                                                           task=task)
     meta = {"kind": "transcription", "model": request.model.id, "filename": upload.filename,
             "duration_s": round(audio.duration_s, 3), "bytes": upload.size}
-    submit(request, queues.TRANSCRIPTION, intake.describe_audio(upload, audio, request), meta=meta)
+    submit(request, queues.TRANSCRIPTION, intake.describe_audio(request, audio), meta=meta)
     out = Transcript(form["response_format"], form["timestamp_granularities"], g.request_id)
     if form["stream"]:
         response = stream_response(request.id, out)

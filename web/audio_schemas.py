@@ -170,11 +170,39 @@ class JobOptionsSchema(Schema):
 
 
 class JobTranscriptionFormSchema(TranscriptionFormSchema, JobOptionsSchema):
-    """POST /v1/jobs/transcriptions form fields."""
+    """POST /v1/jobs/transcriptions form fields: the file, or the URL the worker fetches it from."""
+
+    file = FilePart(metadata={"type": "string", "format": "binary",
+                              "description": "The audio file (wav, mp3, ogg, flac, m4a, ...); or `file_url`"})
+    file_url = fields.Url(schemes={"http", "https"}, require_tld=False, validate=validate.Length(max=2048),
+                          metadata={"description": "An http(s) URL of the audio, fetched by the worker instead of an "
+                                                   "upload (held to the upload's size and length limits; follow its "
+                                                   "download in the job's progress events)"})
 
     task = fields.String(load_default="transcribe", validate=validate.OneOf(SPEECH_TASKS), metadata={
         "description": "'translate': English text from speech in any language (multilingual models only); "
                        "`language`, if given, names the spoken language"})
+
+    @post_load
+    def _no_url_is_none(self, data, **kwargs):
+        """`file_url` not given is None."""
+        return {"file_url": None, **data}
+
+    @validates("file_url")
+    def _fetchable(self, value, **kwargs):
+        """Refuse URLs resolving to loopback / private / link-local / reserved addresses (SSRF); the worker
+        checks again at every redirect."""
+        try:
+            check_destination(value, services().settings.audio_fetch_allow_private)
+        except UnsafeDestination as exc:
+            raise ValidationError(str(exc)) from None
+
+    @validates_schema
+    def _one_source(self, data, **kwargs):
+        """A job transcribes one file: uploaded or named by URL."""
+        if ("file" in data) == ("file_url" in data):
+            raise ValidationError("give either a file part or `file_url`, not both" if "file" in data
+                                  else "missing: a file part or `file_url`", field_name="file")
 
 
 class JobChatRequestSchema(ChatCompletionRequestSchema, JobOptionsSchema):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+from urllib.parse import unquote, urlsplit
 
 from flask import g
 
@@ -31,7 +32,7 @@ from web.media_parts import check_text_size, media_parts, spool_parts
 from web.services import services
 from web.structured import answer_schema, grammar_for
 from web.tools import ToolPlan, chat_choice, chat_tools, plan
-from web.uploads import Upload, spool
+from web.uploads import Upload, safe_filename, spool
 
 log = logging.getLogger(__name__)
 
@@ -332,25 +333,47 @@ def embedding_request(body: dict, job_id: str, is_async: bool = False) -> Embedd
 def transcription_request(form: dict, job_id: str, is_async: bool, task: str = "transcribe"
                           ) -> tuple[TranscriptionRequest, Upload, MediaInfo]:
     """Resolve the model, spool the upload and probe it; the request, the upload and what it holds."""
+    info = _speech_model(form, task)
+    upload = spool(form["file"], job_id)
+    audio = check_audio(upload.path, upload.filename, services().settings.max_audio_s)
+    return _transcription(form, job_id, info, str(upload.path), upload.filename, is_async, task), upload, audio
+
+
+def url_transcription_request(form: dict, job_id: str, task: str) -> TranscriptionRequest:
+    """An async transcription of `form["file_url"]`: the worker fetches it into the job's spool directory."""
+    info = _speech_model(form, task)
+    name = unquote(urlsplit(form["file_url"]).path.rsplit("/", 1)[-1])
+    path = services().settings.spool_dir / job_id / safe_filename(name or "audio")
+    return _transcription(form, job_id, info, str(path), (name or "audio")[:255], True, task,
+                          file_url=form["file_url"])
+
+
+def _speech_model(form: dict, task: str) -> ModelInfo:
+    """The Whisper model a transcription (or translation) form names."""
     info = resolve_model(form["model"], "speech")
     if task == "translate" and is_multilingual(info.vocab_size) is False:  # None: the worker finds out
         raise APIError(400, f"Model '{info.id}' is English-only: it cannot translate. Use a multilingual "
                             "Whisper model (such as 'whisper-base').", "translation_not_supported", "model")
-    upload = spool(form["file"], job_id)
-    audio = check_audio(upload.path, upload.filename, services().settings.max_audio_s)
-    request = TranscriptionRequest(
-        job_id, model_ref(info), str(upload.path), upload.filename, language=form.get("language"),
+    return info
+
+
+def _transcription(form: dict, job_id: str, info: ModelInfo, path: str, filename: str, is_async: bool, task: str,
+                   file_url: str | None = None) -> TranscriptionRequest:
+    return TranscriptionRequest(
+        job_id, model_ref(info), path, filename, file_url=file_url, language=form.get("language"),
         prompt=form["prompt"], temperature=form["temperature"],
         word_timestamps="word" in form["timestamp_granularities"], chunking=form["chunking_strategy"],
         task=task, logprobs=form["logprobs"], is_async=is_async, request_id=g.request_id,
         keep_alive=form.get("keep_alive"),
     )
-    return request, upload, audio
 
 
-def describe_audio(upload: Upload, audio: MediaInfo, request: TranscriptionRequest) -> str:
-    """A job description for rq-dashboard: 'transcribe meeting.mp3 (whisper-tiny.en, 62 min)'."""
+def describe_audio(request: TranscriptionRequest, audio: MediaInfo | None) -> str:
+    """A job description for rq-dashboard: 'transcribe meeting.mp3 (whisper-tiny.en, 62 min)' ('by URL' when
+    the worker fetches it)."""
+    if audio is None:
+        return f"{request.task} {request.filename} ({request.model.id}, by URL)"
     seconds = audio.duration_s
     length = (f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min" if seconds < 7200
               else f"{seconds / 3600:.1f} h")
-    return f"{request.task} {upload.filename} ({request.model.id}, {length})"
+    return f"{request.task} {request.filename} ({request.model.id}, {length})"

@@ -77,19 +77,26 @@ def _record_or_404(job_id: str) -> dict:
 @blp.arguments(JobTranscriptionFormSchema(), location="multipart")
 @blp.response(202, JobAcceptedSchema)
 def create_transcription(form):
-    """Submit an async transcription (or, with task=translate, translation); follow it at /v1/jobs/{id}."""
-    request, upload, audio = intake.transcription_request(form, queues.new_job_id("job"), is_async=True,
-                                                          task=form["task"])
-    duration_s = round(audio.duration_s, 3)
+    """Submit an async transcription (or, with task=translate, translation) of an upload or of a `file_url`;
+    follow it at /v1/jobs/{id}."""
+    settings = services().settings
+    job_id = queues.new_job_id("job")
+    if form["file_url"]:  # the worker fetches it: its size and length are known only then
+        request, audio = intake.url_transcription_request(form, job_id, task=form["task"]), None
+        duration_s = size = None
+        timeout_s = int(settings.audio_fetch_timeout_s + settings.max_audio_s * 3) + 600
+    else:
+        request, upload, audio = intake.transcription_request(form, job_id, is_async=True, task=form["task"])
+        duration_s, size = round(audio.duration_s, 3), upload.size
+        timeout_s = max(3600, int(duration_s * 3) + 600)
     params = {"response_format": form["response_format"], "duration_s": duration_s,
               "timestamp_granularities": form["timestamp_granularities"]}  # the defaults of /result
-    fields = {"model": request.model.id, "filename": upload.filename, "metadata": form["metadata"] or {},
+    fields = {"model": request.model.id, "filename": request.filename, "metadata": form["metadata"] or {},
               "webhook_url": form["webhook_url"], "params": params}
-    meta = {"kind": "transcription", "model": request.model.id, "filename": upload.filename,
-            "duration_s": duration_s, "bytes": upload.size}
+    meta = {"kind": "transcription", "model": request.model.id, "filename": request.filename,
+            "duration_s": duration_s, "bytes": size}
     warning = submit_async(request, "transcription", fields, queues.TRANSCRIPTION,
-                           intake.describe_audio(upload, audio, request),
-                           timeout_s=max(3600, int(duration_s * 3) + 600), meta=meta)
+                           intake.describe_audio(request, audio), timeout_s=timeout_s, meta=meta)
     return _accepted(request.id, warning)
 
 

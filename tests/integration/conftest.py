@@ -150,6 +150,7 @@ def service(redis_url, models_dir):
     redis.Redis.from_url(service_url).flushdb()
     svc = Service(service_url, models_dir, MLXQ_WEBHOOK_ALLOW_PRIVATE=1, MLXQ_WEBHOOK_SECRET="test-secret",
                   MLXQ_BODY_TIMEOUT_S=3, MLXQ_IMAGE_FETCH_ALLOW_PRIVATE=1, MLXQ_IMAGE_FETCH_TIMEOUT_S=3,
+                  MLXQ_AUDIO_FETCH_ALLOW_PRIVATE=1,
                   MLXQ_SPEECH_BATCH=2).start()  # a minute of speech makes two batches: a checkpoint between them
     yield svc
     svc.stop()

@@ -378,6 +378,80 @@ def test_webhook_arrives_once_signed(service, followed_job, receiver, monkeypatc
     assert verify(WEBHOOK_SECRET, body, headers[SIGNATURE_HEADER])
 
 
+# --- audio by URL ------------------------------------------------------------------------------
+
+class AudioServer:
+    """Serves the clips over HTTP on 127.0.0.1: /<name> at once, /slow/<name> in ten pieces a quarter second
+    apart (a download that lasts long enough for its progress to be told), anything else 404."""
+
+    def __init__(self, clips: dict[str, Path]):
+        files = {path.name: path.read_bytes() for path in clips.values()}
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                slow = self.path.startswith("/slow/")
+                body = files.get(self.path.removeprefix("/slow/").lstrip("/"))
+                if body is None:
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "audio/wav")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                pieces = 10 if slow else 1
+                size = -(-len(body) // pieces)
+                for start in range(0, len(body), size):
+                    self.wfile.write(body[start:start + size])
+                    self.wfile.flush()
+                    if slow:
+                        time.sleep(0.25)  # the server's pace, not a wait of the test's
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+@pytest.fixture(scope="module")
+def audio_server(clips):
+    server = AudioServer(clips)
+    yield server
+    server.server.shutdown()
+    server.server.server_close()
+
+
+def test_job_from_a_url_is_fetched_then_transcribed(api, clips, audio_server):
+    # `curl -F file_url=...`: a multipart form with no file part; the worker fetches it, telling its progress.
+    response = api.post("/v1/jobs/transcriptions", files={"model": (None, MODEL),
+                                                          "file_url": (None, f"{audio_server.url}/slow/harbor.wav")})
+    assert response.status_code == 202, response.text
+    job = response.json()
+    events = read_sse(api, job["links"]["events"])
+    assert events[-1]["event"] == "done", events[-1]
+    downloads = [e["data"] for e in events if e["event"] == "progress" and e["data"].get("stage") == "download"]
+    size = clips["harbor"].stat().st_size
+    assert downloads and downloads[-1] == {"stage": "download", "bytes": size, "total_bytes": size, "percent": 100.0}
+    assert any(0 < d["bytes"] < size for d in downloads)  # told while it downloaded, not only at the end
+    first_segment = next(i for i, e in enumerate(events) if e["event"] == "segment")
+    assert all(e["event"] != "progress" or e["data"].get("stage") != "download" for e in events[first_segment:])
+    assert_wer(events[-1]["data"]["result"]["text"], clips["harbor"])
+    record = api.get(job["links"]["self"]).json()
+    assert record["status"] == "succeeded" and record["filename"] == "harbor.wav"
+
+
+def test_url_job_form_encoded_and_failed_fetches(api, audio_server):
+    # `curl -d file_url=...` (form-encoded) is taken too; a URL that answers 404 fails the job, naming file_url.
+    response = api.post("/v1/jobs/transcriptions", data={"model": MODEL, "file_url": f"{audio_server.url}/gone.wav"})
+    assert response.status_code == 202, response.text
+    events = read_sse(api, response.json()["links"]["events"])
+    assert events[-1]["event"] == "error"
+    error = events[-1]["data"]
+    assert (error["code"], error["param"], error["status"]) == ("file_fetch_failed", "file_url", 400)
+    assert "404" in error["message"]
+
+
 # --- bad input --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("content, status, code, reason", [
@@ -433,4 +507,14 @@ def test_limits_and_job_options_in_process(redis_url, models_dir, tmp_path):
         response = client.post("/v1/jobs/transcriptions", data={"model": MODEL, "file": garden, **form})
         assert response.status_code == 400, response.get_data(as_text=True)
         assert response.get_json()["error"]["param"] == param
+    # A file by URL: private addresses refused (MLXQ_AUDIO_FETCH_ALLOW_PRIVATE is off), one source only.
+    for form, param in (({"file_url": "http://127.0.0.1:9/meeting.wav"}, "file_url"),
+                        ({"file_url": "http://10.1.2.3/meeting.wav"}, "file_url"),
+                        ({"file_url": "file:///etc/passwd"}, "file_url"),
+                        ({"file_url": "http://93.184.215.14/a.wav",
+                          "file": (io.BytesIO((SPEECH / "garden.wav").read_bytes()), "g.wav")}, "file"),
+                        ({}, "file")):
+        response = client.post("/v1/jobs/transcriptions", data={"model": MODEL, **form})
+        assert response.status_code == 400, response.get_data(as_text=True)
+        assert response.get_json()["error"]["param"] == param, response.get_json()
     assert not list((tmp_path / "spool").glob("*/*"))  # refused uploads leave nothing behind

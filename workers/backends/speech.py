@@ -8,7 +8,8 @@ segments that were checkpointed but not yet published.
 
 Events: `segment` {"segment": <verbose_json segment>, "words": [...] (word timestamps only), "logprobs":
 [...] (include[]=logprobs only)},
-`progress` {"done_s", "total_s", "percent", "eta_s"}, then `done` {"result": <verbose_json>}.
+`progress` {"done_s", "total_s", "percent", "eta_s"}, then `done` {"result": <verbose_json>}; before them, a job
+given a `file_url` has `progress` {"stage": "download", ...} while the worker fetches it (workers/audio_fetch.py).
 A request with task "translate" runs the same way; its segments and result are in English.
 """
 
@@ -22,7 +23,7 @@ from jobs.contract import TranscriptionRequest
 from jobs.errors import InvalidRequest
 from jobs.events import SEGMENT
 from jobs.lifecycle import JobRun
-from workers import vad
+from workers import audio_fetch, vad
 from workers.audio import probe
 from workers.backends import whisper, whisper_batch
 from workers.backends.base import Outcome
@@ -39,7 +40,10 @@ class SpeechBackend:
         return whisper.load(path, float32)
 
     def run(self, request: TranscriptionRequest, job: JobRun, models) -> Iterator[Outcome | None]:
-        """Transcribe the spooled file window by window; end with the verbose_json result."""
+        """Transcribe the spooled file (fetched first when it is a `file_url`) window by window; end with the
+        verbose_json result."""
+        if request.file_url:
+            yield from audio_fetch.fetched(request.file_url, request.audio_path, job)
         saved = job.restore(request.resume)
         if saved is not None:  # a resumed run: what was checkpointed but never published goes out first
             job.publish(segment_events(saved.unpublished, request))
