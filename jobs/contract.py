@@ -118,6 +118,11 @@ class TranscriptionRequest:
     chunking: str | None = None  # "auto": decode only the speech a voice activity detector finds
     task: str = "transcribe"  # one of SPEECH_TASKS: "translate" gives English text
     logprobs: bool = False  # include[]=logprobs: the text tokens' log-probabilities in the result
+    diarize: bool = False  # label each segment and word with its speaker (workers/speakers.py)
+    min_speakers: int | None = None
+    max_speakers: int | None = None
+    speaker_names: list[str] = field(default_factory=list)  # known speakers, in the order of their references
+    speaker_references: list[str] = field(default_factory=list)  # spooled clips of their voices
     keep_alive: float | None = None  # seconds the model stays loaded once idle (negative: until evicted)
     is_async: bool = False
     request_id: str | None = None

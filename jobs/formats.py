@@ -4,13 +4,14 @@ The canonical result is OpenAI's `verbose_json`: {"task", "language", "duration"
 "segments": [{"id", "seek", "start", "end", "text", "tokens", "temperature", "avg_logprob",
 "compression_ratio", "no_speech_prob"}], "words": [{"word", "start", "end"}], "logprobs": [{"token",
 "logprob", "bytes"}]} where `words` is present only when word timestamps were asked for, and `logprobs`
-only with include[]=logprobs. Everything else is derived from it.
+only with include[]=logprobs. A diarized result's segments and words also carry a `speaker` ("A", "B", ... or a
+known speaker's name). Everything else is derived from it.
 """
 
 from __future__ import annotations
 
-FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
-"""The `response_format` values /v1/audio/transcriptions accepts."""
+FORMATS = ("json", "text", "srt", "vtt", "verbose_json", "diarized_json")
+"""The `response_format` values /v1/audio/transcriptions accepts (diarized_json: of a diarized transcription)."""
 
 GRANULARITIES = ("segment", "word")
 """The `timestamp_granularities[]` values (they only shape verbose_json)."""
@@ -37,6 +38,8 @@ def render(result: dict, fmt: str, granularities=("segment",)) -> tuple[str | di
         return to_vtt(result["segments"]), VTT_MIMETYPE
     if fmt == "verbose_json":
         return verbose(result, granularities), JSON_MIMETYPE
+    if fmt == "diarized_json":
+        return diarized(result), JSON_MIMETYPE
     raise ValueError(f"unknown response format {fmt!r}; expected one of {', '.join(FORMATS)}")
 
 
@@ -48,6 +51,14 @@ def verbose(result: dict, granularities=("segment",)) -> dict:
     if "word" in granularities:
         body["words"] = result.get("words") or []
     return {**body, **logprobs_field(result)}
+
+
+def diarized(result: dict) -> dict:
+    """OpenAI's diarized_json body: the text, then each segment with its speaker."""
+    segments = [{"type": "transcript.text.segment", "id": f"seg_{n}", "start": seg["start"], "end": seg["end"],
+                 "text": seg["text"].strip(), "speaker": seg.get("speaker")}
+                for n, seg in enumerate(_spoken(result["segments"]))]
+    return {"task": result["task"], "duration": result["duration"], "text": result["text"], "segments": segments}
 
 
 def logprobs_field(data: dict) -> dict:
@@ -69,7 +80,7 @@ def vtt_time(seconds: float) -> str:
 def to_srt(segments: list[dict]) -> str:
     """SubRip text: numbered cues from 1, blank line after each."""
     cues = [
-        f"{n}\n{srt_time(seg['start'])} --> {srt_time(seg['end'])}\n{seg['text'].strip()}\n"
+        f"{n}\n{srt_time(seg['start'])} --> {srt_time(seg['end'])}\n{_srt_voice(seg)}{seg['text'].strip()}\n"
         for n, seg in enumerate(_spoken(segments), start=1)
     ]
     return "\n".join(cues)
@@ -77,9 +88,21 @@ def to_srt(segments: list[dict]) -> str:
 
 def to_vtt(segments: list[dict]) -> str:
     """WebVTT text: the WEBVTT header, then one cue per segment."""
-    cues = [f"{vtt_time(seg['start'])} --> {vtt_time(seg['end'])}\n{seg['text'].strip()}\n"
+    cues = [f"{vtt_time(seg['start'])} --> {vtt_time(seg['end'])}\n{_vtt_voice(seg)}{seg['text'].strip()}\n"
             for seg in _spoken(segments)]
     return "\n".join(["WEBVTT\n", *cues])
+
+
+def _srt_voice(seg: dict) -> str:
+    """A diarized cue's speaker as SubRip has no tag for it: "[A] " before the text."""
+    return f"[{seg['speaker']}] " if seg.get("speaker") else ""
+
+
+def _vtt_voice(seg: dict) -> str:
+    """A diarized cue's speaker as a WebVTT voice span: "<v A>" (characters that would end the tag dropped)."""
+    if not seg.get("speaker"):
+        return ""
+    return "<v " + "".join(c for c in seg["speaker"] if c not in "<>&\n") + ">"
 
 
 def _spoken(segments: list[dict]) -> list[dict]:

@@ -65,6 +65,26 @@ class FilePart(fields.Field):
         return value
 
 
+MAX_KNOWN_SPEAKERS = 4
+"""Most known speakers one request names (OpenAI's limit)."""
+
+MAX_SPEAKERS = 32
+"""The largest min_speakers / max_speakers."""
+
+MAX_REFERENCE_CHARS = 4 * 1024 * 1024
+"""Longest known_speaker_references[] data URL (3 MiB of audio: 30 s of 16-bit WAV at 48 kHz)."""
+
+
+class SpeakerName(fields.String):
+    """A known speaker's name: 1-64 printable characters, nothing that could end a subtitle's voice tag."""
+
+    def _deserialize(self, value, attr, data, **kwargs):
+        name = super()._deserialize(value, attr, data, **kwargs).strip()
+        if not 1 <= len(name) <= 64 or not name.isprintable() or any(c in name for c in "<>&"):
+            raise ValidationError("must be 1-64 printable characters, none of < > &")
+        return name
+
+
 class TranscriptionFormSchema(Schema):
     """POST /v1/audio/transcriptions multipart form (OpenAI's names): the file and its options."""
 
@@ -97,6 +117,23 @@ class TranscriptionFormSchema(Schema):
                                              "`verbose_json` bodies and the stream's events"})
     include_plain = fields.List(fields.String(validate=validate.OneOf(INCLUDES)), data_key="include",
                                 load_default=list)
+    diarize = fields.Boolean(load_default=False, metadata={
+        "description": "Label each segment and word with its speaker (`speaker`: A, B, ... or a known speaker's "
+                       "name) in verbose_json, diarized_json, srt and vtt; response_format=diarized_json implies it"})
+    known_speaker_names = fields.List(SpeakerName(), data_key="known_speaker_names[]", load_default=list,
+                                      metadata={"description": f"Up to {MAX_KNOWN_SPEAKERS} names, each with a "
+                                                               "reference clip in known_speaker_references[]"})
+    names_plain = fields.List(SpeakerName(), data_key="known_speaker_names", load_default=list)
+    known_speaker_references = fields.List(
+        fields.String(validate=validate.Length(max=MAX_REFERENCE_CHARS)), data_key="known_speaker_references[]",
+        load_default=list, metadata={"description": "Each known speaker's voice, 1-30 s of audio as a data URL "
+                                                    "(data:audio/wav;base64,...), in the order of the names"})
+    references_plain = fields.List(fields.String(validate=validate.Length(max=MAX_REFERENCE_CHARS)),
+                                   data_key="known_speaker_references", load_default=list)
+    min_speakers = fields.Integer(validate=validate.Range(min=1, max=MAX_SPEAKERS), metadata={
+        "description": "At least this many speakers are told apart (a hint: the voices decide)"})
+    max_speakers = fields.Integer(validate=validate.Range(min=1, max=MAX_SPEAKERS), metadata={
+        "description": "At most this many speakers: past it, a segment goes to the nearest voice"})
     keep_alive = KeepAlive(metadata={"type": "string", "description": "How long the Whisper model stays loaded "
                                      "once idle: seconds or a duration such as \"5m\" (Ollama's field; negative: until "
                                      "evicted, 0: unload once idle). Left out: as the model's latest request said, "
@@ -114,7 +151,38 @@ class TranscriptionFormSchema(Schema):
         data["chunking_strategy"] = "auto" if data.pop("chunking_type", None) else data.get("chunking_strategy")
         data["logprobs"] = "logprobs" in _included(data)
         del data["include"], data["include_plain"]
+        data["known_speaker_names"] = data["known_speaker_names"] + data.pop("names_plain")
+        data["known_speaker_references"] = data["known_speaker_references"] + data.pop("references_plain")
+        data["diarize"] = data["diarize"] or data.get("response_format") == "diarized_json"
+        data["min_speakers"], data["max_speakers"] = data.get("min_speakers"), data.get("max_speakers")
         return data
+
+    @validates_schema
+    def _speakers(self, data, **kwargs):
+        """Speaker options need diarization, a reference per name, and a range that holds the known speakers."""
+        names = data.get("known_speaker_names", []) + data.get("names_plain", [])
+        references = data.get("known_speaker_references", []) + data.get("references_plain", [])
+        diarize = data.get("diarize") or data.get("response_format") == "diarized_json"
+        asked = [key for key, value in (("known_speaker_names[]", names), ("known_speaker_references[]", references),
+                                        ("min_speakers", data.get("min_speakers")),
+                                        ("max_speakers", data.get("max_speakers"))) if value]
+        if asked and not diarize:
+            raise ValidationError("needs diarize=true (or response_format=diarized_json)", field_name=asked[0])
+        if diarize and data.get("stream"):
+            raise ValidationError("is not supported with stream=true: an async job's segment events carry each "
+                                  "segment's speaker", field_name="diarize")
+        if len(names) > MAX_KNOWN_SPEAKERS:
+            raise ValidationError(f"at most {MAX_KNOWN_SPEAKERS} known speakers", field_name="known_speaker_names[]")
+        if len(references) != len(names):
+            raise ValidationError(f"{len(references)} reference clips for {len(names)} names: one each",
+                                  field_name="known_speaker_references[]")
+        if len(set(names)) != len(names):
+            raise ValidationError("names must differ", field_name="known_speaker_names[]")
+        least, most = data.get("min_speakers"), data.get("max_speakers")
+        if most is not None and least is not None and most < least:
+            raise ValidationError("must be at least min_speakers", field_name="max_speakers")
+        if most is not None and most < len(names):
+            raise ValidationError(f"must be at least the {len(names)} known speakers", field_name="max_speakers")
 
     @validates_schema
     def _logprobs_need_json(self, data, **kwargs):

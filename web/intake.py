@@ -4,8 +4,11 @@ defaults applied, the upload spooled and probed. Every view submits what this bu
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import logging
+from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from flask import g
@@ -359,13 +362,51 @@ def _speech_model(form: dict, task: str) -> ModelInfo:
 
 def _transcription(form: dict, job_id: str, info: ModelInfo, path: str, filename: str, is_async: bool, task: str,
                    file_url: str | None = None) -> TranscriptionRequest:
+    references = speaker_references(form["known_speaker_references"], Path(path).parent)
     return TranscriptionRequest(
         job_id, model_ref(info), path, filename, file_url=file_url, language=form.get("language"),
         prompt=form["prompt"], temperature=form["temperature"],
         word_timestamps="word" in form["timestamp_granularities"], chunking=form["chunking_strategy"],
-        task=task, logprobs=form["logprobs"], is_async=is_async, request_id=g.request_id,
+        task=task, logprobs=form["logprobs"], diarize=form["diarize"], min_speakers=form["min_speakers"],
+        max_speakers=form["max_speakers"], speaker_names=form["known_speaker_names"],
+        speaker_references=references, is_async=is_async, request_id=g.request_id,
         keep_alive=form.get("keep_alive"),
     )
+
+
+REFERENCE_S = (1.0, 30.0)
+"""Shortest and longest known speaker reference clip, in seconds."""
+
+
+def speaker_references(urls: list[str], directory: Path) -> list[str]:
+    """Decode each known_speaker_references[] data URL into the job's spool directory, probe it; their paths."""
+    paths = []
+    for n, url in enumerate(urls):
+        param = f"known_speaker_references[].{n}"  # (as the envelope names a list item)
+        header, comma, payload = url.partition(",")
+        media = header.removeprefix("data:").split(";")
+        if not url.startswith("data:") or not comma or not media[0].lower().startswith("audio/") \
+                or media[-1].lower() != "base64":
+            raise APIError(400, "A reference clip must be a data URL: data:audio/<type>;base64,<data>.",
+                           "invalid_value", param)
+        try:
+            data = base64.b64decode(payload, validate=True)
+        except (binascii.Error, ValueError):
+            raise APIError(400, "The reference clip's base64 data is malformed.", "invalid_value", param) from None
+        if not directory.exists():  # a file_url job's directory: made here, removed if the request fails
+            directory.mkdir(parents=True)
+            g.mlxq_spooled.append(directory)
+        path = directory / f"speaker-{n}.{safe_filename(media[0].split('/', 1)[1])[:8] or 'audio'}"
+        path.write_bytes(data)
+        try:
+            audio = check_audio(path, param, REFERENCE_S[1])
+        except APIError as exc:
+            raise APIError(exc.status, exc.message, exc.code, param, **exc.extra) from None
+        if audio.duration_s < REFERENCE_S[0]:
+            raise APIError(400, f"The reference clip is {audio.duration_s:.1f} s long: at least {REFERENCE_S[0]:g} s "
+                                "of the speaker's voice is needed.", "invalid_audio", param)
+        paths.append(str(path))
+    return paths
 
 
 def describe_audio(request: TranscriptionRequest, audio: MediaInfo | None) -> str:

@@ -90,7 +90,8 @@ def create_transcription(form):
         duration_s, size = round(audio.duration_s, 3), upload.size
         timeout_s = max(3600, int(duration_s * 3) + 600)
     params = {"response_format": form["response_format"], "duration_s": duration_s,
-              "timestamp_granularities": form["timestamp_granularities"]}  # the defaults of /result
+              "timestamp_granularities": form["timestamp_granularities"], "diarize": form["diarize"]}
+    # (the defaults of /result, and whether it may be diarized_json)
     fields = {"model": request.model.id, "filename": request.filename, "metadata": form["metadata"] or {},
               "webhook_url": form["webhook_url"], "params": params}
     meta = {"kind": "transcription", "model": request.model.id, "filename": request.filename,
@@ -194,6 +195,8 @@ def job_result(query, job_id: str):
     if asked is not None and asked not in formats:
         raise APIError(400, f"format={asked} is not one of a {kind} job's result formats ({', '.join(formats)}).",
                        "invalid_value", "format")
+    if asked == "diarized_json" and not params.get("diarize"):
+        raise APIError(400, "format=diarized_json needs a job submitted with diarize=true.", "invalid_value", "format")
     if asked == "npy":
         return Response(npy_file(result), mimetype="application/octet-stream",
                         headers={"Content-Disposition": f'attachment; filename="{job_id}.npy"'})

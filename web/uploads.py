@@ -27,6 +27,9 @@ MIB = 1024 * 1024
 FORM_OVERHEAD_BYTES = MIB
 """Room above the file limit for the multipart framing and the small text fields around the file."""
 
+FORM_FIELDS_BYTES = 18 * MIB
+"""Most bytes of one text field of an upload form (werkzeug's default, 500 kB, is less than a reference clip)."""
+
 COPY_CHUNK_BYTES = MIB
 """Chunk size when a file part has to be copied rather than renamed into the spool."""
 
@@ -73,6 +76,8 @@ def accepts_upload(view):
         # Flask 3.1: a per-request limit. Declared lengths are refused here, unread; chunked bodies
         # are cut off by werkzeug when they pass it.
         request.max_content_length = limit
+        # Text fields are held in memory: room for four known speakers' reference clips as data URLs.
+        request.max_form_memory_size = FORM_FIELDS_BYTES
         if request.content_length is not None and request.content_length > limit:
             raise too_large(settings)
         temps = _install_spooling_parser(settings.spool_dir)

@@ -26,19 +26,19 @@ from tests.integration.test_transcription import submit_job
 
 MODEL = "smollm2-135m"
 LONG = [{"role": "user", "content": "Write a very long story about a dragon who learns to bake bread."}]
-BATCHED = {"chunking_strategy": "auto"}
+BATCHED = {"chunking_strategy": "auto", "diarize": "true"}
 """A transcription on the batched path (speech pieces found by voice activity detection, decoded in batches
-of two in the integration service: MLXQ_SPEECH_BATCH)."""
+of two in the integration service: MLXQ_SPEECH_BATCH), diarized (its speakers are resume state too)."""
 SPEECH = REPO / "tests" / "fixtures" / "speech"
 
 
 def sparse_speech(seconds: float = 5, gap_s: float = 31) -> bytes:
-    """Three short utterances `gap_s` apart (WAV): three speech pieces, as no two fit one 30 s window, so two
-    batches with a checkpoint between them; little speech, so little to decode."""
+    """Three short utterances `gap_s` apart (WAV), by two voices (A, B, A): three speech pieces, as no two fit one
+    30 s window, so two batches with a checkpoint between them; little speech, so little to decode."""
     out = io.BytesIO()
     with wave.open(out, "wb") as dst:
         dst.setnchannels(1), dst.setsampwidth(2), dst.setframerate(16000)
-        for i, name in enumerate(("garden", "numbers", "train_journey")):
+        for i, name in enumerate(("garden", "voice_b/river", "train_journey")):
             if i:
                 dst.writeframes(b"\0\0" * int(gap_s * 16000))
             with wave.open(str(SPEECH / f"{name}.wav")) as src:
@@ -82,12 +82,12 @@ def test_client_disconnect_cancels_the_job(service):
 
 
 @pytest.fixture(scope="module")
-def sparse_text(service):
+def sparse_result(service):
     """The uninterrupted transcript of `sparse_speech()` on the batched path: what a resumed run must give."""
     with httpx.Client(base_url=service.base_url, timeout=60) as api:
         record = _job_finished(api, submit_job(api, "sparse.wav", content=sparse_speech(), **BATCHED))
     assert record["status"] == "succeeded", record
-    return record["result"]["text"]
+    return record["result"]
 
 
 def _job_finished(api: httpx.Client, job: dict, timeout: float = 300) -> dict:
@@ -104,7 +104,7 @@ def _alive_key(conn: redis.Redis, pid: int) -> str:
 
 
 @pytest.mark.timeout(600)
-def test_a_worker_killed_mid_work_fails_its_calls_within_15s_and_its_transcription_resumes(service, sparse_text):
+def test_a_worker_killed_mid_work_fails_its_calls_within_15s_and_its_transcription_resumes(service, sparse_result):
     # The one end-to-end kill -9 of the worker (each restart costs the suite a model load), in the middle of
     # everything a kill can interrupt: a stream and a synchronous call decoding together in one batch, and
     # an async transcription on the batched path between two batches of its windows (the only resume state
@@ -173,7 +173,10 @@ def test_a_worker_killed_mid_work_fails_its_calls_within_15s_and_its_transcripti
     api.close()
     assert record["status"] == "succeeded", record
     assert record["attempts"] >= 2, "the job should have been resumed by the restarted worker"
-    assert record["result"]["text"] == sparse_text
+    assert record["result"]["text"] == sparse_result["text"]
+    speakers = [s["speaker"] for s in record["result"]["segments"]]
+    assert speakers == [s["speaker"] for s in sparse_result["segments"]], "a resumed run labels speakers the same"
+    assert set(speakers) == {"A", "B"}
     starts = [s["start"] for s in record["result"]["segments"]]
     assert starts == sorted(starts), "timestamps must continue across the resume"
 

@@ -93,3 +93,26 @@ def test_logprobs_come_with_json_and_verbose_json_when_asked_for():
     assert render(result, "verbose_json")[0]["logprobs"] == entries
     assert "logprobs" not in render(RESULT, "verbose_json")[0]
     assert render(result, "text")[0] == render(RESULT, "text")[0]
+
+
+DIARIZED = {**RESULT, "segments": [{**RESULT["segments"][0], "speaker": "A"},
+                                   {**RESULT["segments"][1], "speaker": "Dr <Who> & co"},
+                                   {**RESULT["segments"][2], "speaker": "A"}]}
+
+
+def test_diarized_json_is_openais_shape_without_empty_segments():
+    body, mimetype = render(DIARIZED, "diarized_json")
+    assert mimetype == "application/json"
+    assert body == {"task": "transcribe", "duration": 7.25, "text": "Hello there. General Kenobi.", "segments": [
+        {"type": "transcript.text.segment", "id": "seg_0", "start": 0.0, "end": 1.5, "text": "Hello there.",
+         "speaker": "A"},
+        {"type": "transcript.text.segment", "id": "seg_1", "start": 1.5, "end": 3661.25, "text": "General Kenobi.",
+         "speaker": "Dr <Who> & co"}]}
+
+
+def test_subtitles_carry_the_speakers():
+    assert to_srt(DIARIZED["segments"]).splitlines()[2] == "[A] Hello there."
+    vtt = to_vtt(DIARIZED["segments"]).splitlines()
+    assert vtt[3] == "<v A>Hello there."
+    assert vtt[6] == "<v Dr Who  co>General Kenobi."  # nothing that would end the voice tag early
+    assert "<v" not in to_vtt(RESULT["segments"]) and "[" not in to_srt(RESULT["segments"])

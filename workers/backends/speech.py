@@ -10,7 +10,9 @@ Events: `segment` {"segment": <verbose_json segment>, "words": [...] (word times
 [...] (include[]=logprobs only)},
 `progress` {"done_s", "total_s", "percent", "eta_s"}, then `done` {"result": <verbose_json>}; before them, a job
 given a `file_url` has `progress` {"stage": "download", ...} while the worker fetches it (workers/audio_fetch.py).
-A request with task "translate" runs the same way; its segments and result are in English.
+A request with task "translate" runs the same way; its segments and result are in English. A diarized one
+(`diarize`) gives each segment and word a `speaker` as it goes (workers/speakers.py), its speakers' state in
+the checkpoint.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from jobs.contract import TranscriptionRequest
 from jobs.errors import InvalidRequest
 from jobs.events import SEGMENT
 from jobs.lifecycle import JobRun
-from workers import audio_fetch, vad
+from workers import audio_fetch, speakers, vad
 from workers.audio import probe
 from workers.backends import whisper, whisper_batch
 from workers.backends.base import Outcome
@@ -47,7 +49,9 @@ class SpeechBackend:
         saved = job.restore(request.resume)
         if saved is not None:  # a resumed run: what was checkpointed but never published goes out first
             job.publish(segment_events(saved.unpublished, request))
-        state = whisper.ResumeState.from_dict(saved.state) if saved is not None else None
+        saved_state = dict(saved.state) if saved is not None else {}
+        saved_speakers = saved_state.pop("speakers", None)
+        state = whisper.ResumeState.from_dict(saved_state) if saved is not None else None
         options = whisper.Options(language=request.language, prompt=request.prompt,
                                   temperature=request.temperature, word_timestamps=request.word_timestamps,
                                   max_duration_s=job.settings.max_audio_s, task=request.task,
@@ -56,6 +60,7 @@ class SpeechBackend:
         clock = _Clock(total_s, state.offset_s if state else 0.0)
         model = models.get(request.model).model
         check_task(model, request)
+        diarizer = _diarizer(request, saved_speakers, state)
         speech = vad.speech_pieces(request.audio_path) if request.chunking == "auto" else None
         if speech is not None:
             chunks = whisper_batch.transcribe_batches(model, request.audio_path, options, state, speech,
@@ -66,7 +71,11 @@ class SpeechBackend:
             while True:
                 job.check_cancel()
                 chunk = next(chunks)
-                job.checkpoint(chunk.state.to_dict(), chunk.segments, segment_events(chunk.segments, request))
+                checkpoint = chunk.state.to_dict()
+                if diarizer is not None:
+                    diarizer.label(chunk.segments)
+                    checkpoint["speakers"] = diarizer.speakers.to_dict()  # a resumed run labels as this one
+                job.checkpoint(checkpoint, chunk.segments, segment_events(chunk.segments, request))
                 job.progress(clock.progress(total_s if chunk.finished else chunk.state.offset_s))
                 if chunk.finished:
                     result = build_result(job.checkpointed(), chunk.state.language, total_s,
@@ -76,6 +85,18 @@ class SpeechBackend:
                 yield
         finally:
             chunks.close()
+            if diarizer is not None:
+                diarizer.close()
+
+
+def _diarizer(request: TranscriptionRequest, saved: dict | None, state) -> speakers.Diarizer | None:
+    """The diarizer of a diarized transcription: a fresh one, or a resumed run's from its checkpoint."""
+    if not request.diarize:
+        return None
+    if saved is not None:
+        return speakers.Diarizer(request.audio_path, speakers.Speakers.from_dict(saved), state.offset_s)
+    return speakers.Diarizer.starting(request.audio_path, request.min_speakers, request.max_speakers,
+                                      request.speaker_names, request.speaker_references)
 
 
 def check_task(model, request: TranscriptionRequest) -> None:

@@ -7,7 +7,8 @@ tool-calling variants (workers/demo/tools_model.py, a chat template each), the t
 (workers/demo/think_model.py, a LoRA adapter trained here) and the toy vision model
 (workers/demo/vlm_build.py); and a LoRA adapter for it, trained here (workers/demo/adapter_demo.py) and
 imported into the adapter store. These three builds are deterministic and take minutes, so their results are cached under the downloads directory, keyed by their inputs, the way the wheels are:
-a second store (a test's, another user's) gets a copy instead of a rebuild.
+a second store (a test's, another user's) gets a copy instead of a rebuild. Two models that are not in the
+store come along: Silero's voice activity detector and Resemblyzer's voice encoder (diarization).
 """
 
 from __future__ import annotations
@@ -102,6 +103,7 @@ def pull_demo(settings, log: Callable[[str], None] | None = None) -> list[ModelI
     adapter = pull_demo_adapter(settings, log)
     log(f"ready: adapter {adapter.name} (for {adapter.base}) at {adapter.path}")
     _fetch_vad(log)
+    _fetch_voice_encoder(log)
     return infos
 
 
@@ -111,6 +113,13 @@ def _fetch_vad(log: Callable[[str], None]) -> None:
     from workers import vad
 
     log(f"voice activity detector: {vad.model_path()}")
+
+
+def _fetch_voice_encoder(log: Callable[[str], None]) -> None:
+    """Fetch (and convert) the voice encoder diarization uses, for the same reason."""
+    from workers import speakers
+
+    log(f"voice encoder (diarization): {speakers.weights_path()}")
 
 
 def pull_demo_tools(settings, log: Callable[[str], None]) -> list[ModelInfo]:
