@@ -147,6 +147,9 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=30)
     parser.add_argument("--memory-minutes", default="30,120", help="diarized file lengths for the memory test")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--warmup", action="store_true",
+                        help="one unmeasured job of each kind on the file first (a fresh GPU instance builds its "
+                             "kernels for each new shape the first time it meets it)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     reexec_with_worker_blas()
@@ -159,6 +162,9 @@ def main() -> None:
     try:
         with Service(redis_url, "diar") as svc:
             warm(svc.base)
+            if args.warmup:
+                timed(svc, path, audio_s, truth, False)
+                timed(svc, path, audio_s, truth, True)
             plain, diarized = [], []
             for _ in range(args.repeats):  # alternating: both see the same background load
                 plain.append(timed(svc, path, audio_s, truth, False))

@@ -99,23 +99,23 @@ class VoiceEncoder(nn.Module):
     def embed(self, clips: list[np.ndarray], max_partials: int | None = None) -> np.ndarray:
         """One L2-normalized embedding per clip of 16 kHz float32 samples (all clips' partials in one pass; at
         most `max_partials` a clip, spread along it)."""
-        partials, owners = [], []
+        windows, owners = [], []
         for n, clip in enumerate(clips):
-            for mel in _partials(clip, max_partials):
-                partials.append(mel)
+            for partial in _partials(clip, max_partials):
+                windows.append(partial)
                 owners.append(n)
-        if not partials:
+        if not windows:
             return np.zeros((len(clips), HIDDEN), np.float32)
-        per_partial = np.array(self(mx.array(np.stack(partials))))
+        per_partial = np.array(self(mel_power(mx.array(np.stack(windows)))))
         sums = np.zeros((len(clips), HIDDEN), np.float32)
         np.add.at(sums, np.array(owners), per_partial)
         return _normalized(sums)
 
 
 def _partials(samples: np.ndarray, limit: int | None = None) -> list[np.ndarray]:
-    """The mel spectrograms of a clip's 1.6 s partials (Resemblyzer's slicing: 1.3 a second, the last one
-    kept when it is at least 75 % audio; a short clip is padded to one partial); at most `limit` of them, spread
-    along the clip."""
+    """The analysis windows (PARTIAL_FRAMES x N_FFT samples) of a clip's 1.6 s partials (Resemblyzer's slicing:
+    1.3 a second, the last one kept when it is at least 75 % audio; a short clip is padded to one partial); at
+    most `limit` of them, spread along the clip. Only these frames are ever transformed."""
     samples = _louder(samples.astype(np.float32))
     frames = int(np.ceil((len(samples) + 1) / HOP))
     step = max(1, round(SAMPLE_RATE / PARTIALS_PER_S / HOP))
@@ -127,8 +127,10 @@ def _partials(samples: np.ndarray, limit: int | None = None) -> list[np.ndarray]
     need = (starts[-1] + PARTIAL_FRAMES) * HOP
     if need > len(samples):
         samples = np.pad(samples, (0, need - len(samples)))
-    mel = mel_power(samples)
-    return [mel[s:s + PARTIAL_FRAMES] for s in starts]
+    padded = np.pad(samples, N_FFT // 2)  # centred frames, as librosa's melspectrogram makes them
+    count = 1 + (len(padded) - N_FFT) // HOP
+    framed = np.lib.stride_tricks.as_strided(padded, (count, N_FFT), (padded.strides[0] * HOP, padded.strides[0]))
+    return [framed[s:s + PARTIAL_FRAMES] for s in starts]
 
 
 def _louder(samples: np.ndarray) -> np.ndarray:
@@ -159,17 +161,24 @@ def _mel_filters() -> np.ndarray:
     return (filters * (2.0 / (edges[2:] - edges[:-2]))[:, None]).astype(np.float32)
 
 
-_FILTERS = _mel_filters()
-_WINDOW = (0.5 - 0.5 * np.cos(2 * np.pi * np.arange(N_FFT) / N_FFT)).astype(np.float32)  # periodic Hann
+def _dft() -> np.ndarray:
+    """The real DFT of a Hann-windowed frame as one matrix, N_FFT x 2 (N_FFT // 2 + 1): [cos | -sin] (a matmul
+    runs on the GPU and through BLAS on a CPU, where an FFT of 400 points has no such path)."""
+    window = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(N_FFT) / N_FFT)  # periodic Hann
+    angles = 2 * np.pi * np.outer(np.arange(N_FFT), np.arange(N_FFT // 2 + 1)) / N_FFT
+    return np.concatenate([np.cos(angles), -np.sin(angles)], axis=1) * window[:, None]
 
 
-def mel_power(samples: np.ndarray) -> np.ndarray:
-    """(frames, 40) mel power spectrogram, centred frames (librosa.feature.melspectrogram's defaults)."""
-    padded = np.pad(samples.astype(np.float32), N_FFT // 2)
-    count = 1 + (len(padded) - N_FFT) // HOP
-    frames = np.lib.stride_tricks.as_strided(padded, (count, N_FFT), (padded.strides[0] * HOP, padded.strides[0]))
-    power = np.abs(np.fft.rfft(frames * _WINDOW, axis=1)) ** 2
-    return (power @ _FILTERS.T).astype(np.float32)
+_DFT = mx.array(_dft().astype(np.float32))
+_FILTERS_T = mx.array(_mel_filters().T)
+
+
+def mel_power(windows: mx.array) -> mx.array:
+    """(..., frames, 40) mel power spectrogram of (..., frames, N_FFT) analysis windows (librosa's
+    melspectrogram: Hann window, power 2, Slaney mel filters)."""
+    spectrum = windows @ _DFT
+    real, imaginary = mx.split(spectrum, 2, axis=-1)
+    return (real * real + imaginary * imaginary) @ _FILTERS_T
 
 
 def _normalized(vectors: np.ndarray) -> np.ndarray:
