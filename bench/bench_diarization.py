@@ -22,7 +22,6 @@ import platform
 import statistics
 import sys
 import tempfile
-import time
 import wave
 from pathlib import Path
 
@@ -31,16 +30,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from bench.bench_speech import (  # noqa: E402
-    SPEECH_MODEL,
-    WARMUP_AUDIO,
-    RssSampler,
-    Service,
-    follow_events,
-    job_record,
-    memory_entry,
-    proc_memory_mib,
-)
+from bench.bench_speech import SPEECH_MODEL, WARMUP_AUDIO, Service, followed_job, job_record  # noqa: E402
 from bench.bench_text import reexec_with_worker_blas  # noqa: E402
 from bench.common import start_redis, write_report  # noqa: E402
 from tests.speech_clips import SAMPLE_RATE, sentences  # noqa: E402
@@ -107,23 +97,11 @@ def submit(base: str, path: Path, diarize: bool) -> str:
 
 def timed(svc: Service, path: Path, audio_s: float, truth, diarize: bool) -> dict:
     """One async job, followed to its end with the worker's RSS sampled."""
-    pid = svc.worker_pid()
-    before = proc_memory_mib(pid)
-    sampler = RssSampler(pid)
-    sampler.start()
-    events: list = []
-    t0 = time.perf_counter()
-    job_id = submit(svc.base, path, diarize)
-    follow_events(svc.base, job_id, events)
-    wall = time.perf_counter() - t0
-    max_rss = sampler.stop()
-    if events[-1]["type"] != "done":
-        raise RuntimeError(f"job {job_id} ended with {events[-1]}")
+    job_id, events, _, wall, memory = followed_job(svc, lambda base: submit(base, path, diarize))
     record = job_record(svc.base, job_id)
     segments = events[-1]["data"]["result"]["segments"]
     entry = {"wall_s": round(wall, 2), "job_s": round(record["finished_at"] - record["started_at"], 2),
-             "rtf": round(audio_s / wall, 2), "segments": len(segments),
-             "memory": memory_entry(pid, before, proc_memory_mib(pid), max_rss, sampler.samples)}
+             "rtf": round(audio_s / wall, 2), "segments": len(segments), "memory": memory}
     if diarize:
         entry["speakers_found"] = len({s["speaker"] for s in segments})
         entry["agreement"] = agreement(segments, truth)

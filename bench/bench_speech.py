@@ -353,26 +353,32 @@ def chunk_times(events: list, t_start: float) -> dict:
     return {"chunk_wall_s": summary(walls[full]), "chunk_audio_s": summary(audio[full])}
 
 
-def timed_job(svc: Service, path: Path, audio_s: float, chunking: str | None = None) -> dict:
-    """Submit the file as an async job, follow it to the end sampling the worker's RSS; time it."""
+def followed_job(svc: Service, submit) -> tuple[str, list, float, float, dict]:
+    """Submit a job with `submit(base)` (its id), follow its events to the end sampling the worker's RSS: (job id,
+    events, start and wall time, memory entry)."""
     pid = svc.worker_pid()
     before = proc_memory_mib(pid)
     sampler = RssSampler(pid)
     sampler.start()
     events: list = []
     t0 = time.perf_counter()
-    job_id = submit_job(svc.base, path, chunking)
+    job_id = submit(svc.base)
     follow_events(svc.base, job_id, events)
     wall = time.perf_counter() - t0
     max_rss = sampler.stop()
-    after = proc_memory_mib(pid)
     if events[-1]["type"] != "done":
         raise RuntimeError(f"job {job_id} ended with {events[-1]}")
+    return job_id, events, t0, wall, memory_entry(pid, before, proc_memory_mib(pid), max_rss, sampler.samples)
+
+
+def timed_job(svc: Service, path: Path, audio_s: float, chunking: str | None = None) -> dict:
+    """Submit the file as an async job, follow it to the end sampling the worker's RSS; time it."""
+    job_id, events, t0, wall, memory = followed_job(svc, lambda base: submit_job(base, path, chunking))
     record = job_record(svc.base, job_id)
     entry = rtf_entry(audio_s, wall, job_text(svc.base, job_id), script_for(path),
                       job_s=round(record["finished_at"] - record["started_at"], 3), job_id=job_id,
                       **chunk_times(events, t0))
-    entry["memory"] = memory_entry(pid, before, after, max_rss, sampler.samples)
+    entry["memory"] = memory
     return entry
 
 

@@ -74,9 +74,14 @@ def post(url: str, address: str, body: bytes, headers: dict, timeout: float = TI
         conn.close()
 
 
-def delivery_body(record: dict) -> bytes:
-    """The JSON body sent for a finished job."""
-    return json.dumps({"id": record["id"], "status": record["status"]}, separators=(",", ":")).encode()
+def delivery_body(record: dict, result: dict | None = None) -> bytes:
+    """The JSON body sent for a finished job: its id and status, and a diarized transcription's speakers (in the
+    order they first speak), so a receiver knows who is in it before it fetches the rest."""
+    body = {"id": record["id"], "status": record["status"]}
+    said = [seg.get("speaker") for seg in (result or {}).get("segments", ()) if isinstance(seg, dict)]
+    if any(said):
+        body["speakers"] = list(dict.fromkeys(s for s in said if s))
+    return json.dumps(body, separators=(",", ":")).encode()
 
 
 def _connection(settings: Settings) -> redis.Redis:
@@ -88,7 +93,8 @@ def _connection(settings: Settings) -> redis.Redis:
 def deliver(payload: dict) -> dict:
     """RQ job: POST the signed outcome of `payload["job_id"]` to its webhook_url (raises to retry)."""
     settings = load_settings()
-    record = records.get(_connection(settings), payload["job_id"])
+    connection = _connection(settings)
+    record = records.get(connection, payload["job_id"])
     if record is None or not record.get("webhook_url"):
         return {"delivered": False, "reason": "no record or no webhook_url"}
     url = record["webhook_url"]
@@ -97,7 +103,8 @@ def deliver(payload: dict) -> dict:
     except UnsafeDestination as exc:
         log.warning("webhook for %s not sent: %s", record["id"], exc)
         return {"delivered": False, "reason": str(exc)}
-    body = delivery_body(record)
+    result = records.get_result(connection, record["id"]) if record["kind"] == "transcription" else None
+    body = delivery_body(record, result)
     headers = {"Content-Type": "application/json", "User-Agent": "mlxq-webhooks/1",
                SIGNATURE_HEADER: sign(settings.webhook_secret, body, int(time.time()))}
     status = post(url, address, body, headers)

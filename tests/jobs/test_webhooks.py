@@ -170,3 +170,12 @@ def test_delivery_rechecks_the_destination(redis_conn, settings, monkeypatch, re
     assert receiver.hits == []
 
 
+
+
+def test_a_diarized_transcription_names_its_speakers(redis_conn, hook_settings, receiver):
+    job_id = _finished_job(redis_conn, hook_settings, receiver.url)
+    segments = [{"text": " a", "speaker": "Bob"}, {"text": " b", "speaker": "A"}, {"text": " c", "speaker": "Bob"}]
+    records.set_result(redis_conn, hook_settings, job_id, {"text": "a b c", "segments": segments})
+    enqueue_delivery(redis_conn, hook_settings, job_id)
+    _work(redis_conn)
+    assert json.loads(receiver.hits[0]["body"]) == {"id": job_id, "status": "succeeded", "speakers": ["Bob", "A"]}
