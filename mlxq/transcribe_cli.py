@@ -64,9 +64,11 @@ def _write(body: bytes, output: Path | None) -> None:
 @click.option("--language", default=None, help="ISO-639-1 code, e.g. en")
 @click.option("--output", "-o", type=click.Path(dir_okay=False, path_type=Path), help="Write here, not stdout.")
 @click.option("--api-key", envvar="MLXQ_API_KEY", default=None, help="Bearer key (env MLXQ_API_KEY).")
-def transcribe(file, fmt, run_async, url, model, language, output, api_key):
+@click.option("--diarize", is_flag=True, help="Label who speaks (srt, vtt, verbose_json; --format diarized_json "
+                                              "implies it).")
+def transcribe(file, fmt, run_async, url, model, language, output, api_key, diarize):
     """Transcribe FILE with a running mlxq server and write the transcript."""
-    fields = {"model": model, "language": language, "response_format": fmt}
+    fields = {"model": model, "language": language, "response_format": fmt, "diarize": "true" if diarize else None}
     with connect(url, api_key) as client:
         if not run_async:
             _write(_post_file(client, "/v1/audio/transcriptions", file, fields).content, output)

@@ -39,9 +39,9 @@ TARGET_DBFS = -30.0  # quieter clips are raised to this loudness first (Resembly
 HIDDEN = 256
 
 SAME_SPEAKER = 0.75
-"""Cosine similarity to a speaker's mean at or above which a segment is that speaker's. On the encoder's
-own synthetic-voice checks (tests/workers/test_speakers.py) segments of one voice come at 0.8-0.95 to
-their speaker's mean and of another at 0.4-0.65; real voices of one sex are nearer each other."""
+"""Cosine similarity to a speaker's mean at or above which a segment is that speaker's. On the test fixtures'
+two synthetic voices (tests/workers/test_speakers.py) sentences of one voice come at 0.83-0.95 to each other
+and of the other at 0.55-0.65; real voices of one sex are nearer each other."""
 
 NEW_SPEAKER_BELOW_MIN = 0.9
 """While fewer speakers than `min_speakers` are known, a segment below this similarity starts a new one."""

@@ -222,10 +222,12 @@ def test_openai_client_stream(openai_client, service, clips):
 
 def test_cli_sync_and_async(service, clips, tmp_path):
     out = tmp_path / "birds.srt"
-    result = CliRunner().invoke(transcribe, [str(clips["birds"]), "--format", "srt", "--url",
+    result = CliRunner().invoke(transcribe, [str(clips["birds"]), "--format", "srt", "--diarize", "--url",
                                              service.base_url, "--output", str(out)])
     assert result.exit_code == 0, result.output
-    assert_wer(" ".join(cue_texts(out.read_text())), clips["birds"])
+    cues = cue_texts(out.read_text())
+    assert cues and all(cue.startswith("[A] ") for cue in cues)  # one voice: speaker A throughout
+    assert_wer(" ".join(cue.removeprefix("[A] ") for cue in cues), clips["birds"])
     result = CliRunner().invoke(transcribe, [str(clips["coat"]), "--async", "--url", service.base_url])
     assert result.exit_code == 0, result.output
     assert "queued" in result.stderr
