@@ -151,18 +151,15 @@ class TranscriptionFormSchema(Schema):
         data["chunking_strategy"] = "auto" if data.pop("chunking_type", None) else data.get("chunking_strategy")
         data["logprobs"] = "logprobs" in _included(data)
         del data["include"], data["include_plain"]
-        data["known_speaker_names"] = data["known_speaker_names"] + data.pop("names_plain")
-        data["known_speaker_references"] = data["known_speaker_references"] + data.pop("references_plain")
-        data["diarize"] = data["diarize"] or data.get("response_format") == "diarized_json"
+        data["known_speaker_names"], data["known_speaker_references"], data["diarize"] = _speaker_fields(data)
+        del data["names_plain"], data["references_plain"]
         data["min_speakers"], data["max_speakers"] = data.get("min_speakers"), data.get("max_speakers")
         return data
 
     @validates_schema
     def _speakers(self, data, **kwargs):
         """Speaker options need diarization, a reference per name, and a range that holds the known speakers."""
-        names = data.get("known_speaker_names", []) + data.get("names_plain", [])
-        references = data.get("known_speaker_references", []) + data.get("references_plain", [])
-        diarize = data.get("diarize") or data.get("response_format") == "diarized_json"
+        names, references, diarize = _speaker_fields(data)
         asked = [key for key, value in (("known_speaker_names[]", names), ("known_speaker_references[]", references),
                                         ("min_speakers", data.get("min_speakers")),
                                         ("max_speakers", data.get("max_speakers"))) if value]
@@ -190,6 +187,14 @@ class TranscriptionFormSchema(Schema):
         if "logprobs" in _included(data) and data.get("response_format") in PLAIN_FORMATS and not data.get("stream"):
             raise ValidationError("'logprobs' needs response_format json or verbose_json (or stream)",
                                   field_name="include[]")
+
+
+def _speaker_fields(data: dict) -> tuple[list, list, bool]:
+    """The known speakers' names and references (both spellings of each), and whether the form diarizes
+    (`diarize`, or response_format=diarized_json)."""
+    names = data.get("known_speaker_names", []) + data.get("names_plain", [])
+    references = data.get("known_speaker_references", []) + data.get("references_plain", [])
+    return names, references, bool(data.get("diarize")) or data.get("response_format") == "diarized_json"
 
 
 def _included(data: dict) -> set:

@@ -7,12 +7,8 @@
 set -euo pipefail
 parts=$1; downloads=$2; out=$3; shift 3
 trap 'cp /tmp/mlxq-bench-*.log "$out"/ 2>/dev/null || true' EXIT  # the servers' logs, for a failed run
-home=${XDG_CACHE_HOME:-$HOME/.cache}/mlxq
-mkdir -p "$home/models/whisper-tiny.en" "$home/downloads"
-for f in "$parts"/*; do
-    case "$f" in *.part-*) ;; *) cp "$f" "$home/models/whisper-tiny.en/" ;; esac
-done
-cat "$parts"/model.safetensors.part-* > "$home/models/whisper-tiny.en/model.safetensors"
+source "$(dirname "$0")/whisper_store.sh"
+whisper_store "$parts"
 cp -r "$downloads"/* "$home/downloads/"
 MLXQ_DEFAULT_MODEL=whisper-tiny.en "${PYTHON:-python3}" bench/bench_diarization.py --out "$out/diarization.json" "$@" \
     > "$out/diarization.log" 2>&1 || { tail -40 "$out/diarization.log"; exit 1; }

@@ -7,12 +7,8 @@
 set -euo pipefail
 parts=$1; vad=$2; out=$3; shift 3
 trap 'cp /tmp/mlxq-bench-*.log "$out"/ 2>/dev/null || true' EXIT  # the servers' logs, for a failed run
-home=${XDG_CACHE_HOME:-$HOME/.cache}/mlxq
-mkdir -p "$home/models/whisper-tiny.en" "$home/downloads"
-for f in "$parts"/*; do
-    case "$f" in *.part-*) ;; *) cp "$f" "$home/models/whisper-tiny.en/" ;; esac
-done
-cat "$parts"/model.safetensors.part-* > "$home/models/whisper-tiny.en/model.safetensors"
+source "$(dirname "$0")/whisper_store.sh"
+whisper_store "$parts"
 cp -r "$vad" "$home/downloads/"
 MLXQ_DEFAULT_MODEL=whisper-tiny.en "${PYTHON:-python3}" bench/bench_speech.py --chat-k 0 --out "$out/speech.json" "$@" \
     > "$out/speech.log" 2>&1 || { tail -40 "$out/speech.log"; exit 1; }
