@@ -83,3 +83,39 @@ def owner_index(owner: str) -> str:
 def metric_key(name: str) -> str:
     """Hash holding one metric kept in Redis (jobs.metrics): a field per label values."""
     return f"{PREFIX}:metrics:{name}"
+
+
+KEY_LIMITS = f"{PREFIX}:limits"
+"""Hash of per-key limits set through the admin API: a key's id (or `default`) -> JSON limits (jobs.limits)."""
+
+
+def owner_requests(owner: str) -> str:
+    """Sorted set of one key's requests in the last minute, scored by arrival (its requests-per-minute limit)."""
+    return f"{PREFIX}:rate:{owner or 'anonymous'}:minute"
+
+
+def owner_in_flight(owner: str) -> str:
+    """Sorted set of one key's synchronous requests in flight, scored by when each is presumed gone (its
+    concurrency limit: a web process that dies mid-request cannot leave its entries forever)."""
+    return f"{PREFIX}:rate:{owner or 'anonymous'}:inflight"
+
+
+def owner_queued(owner: str) -> str:
+    """Sorted set of one key's async jobs not yet ended, scored by submission (its queued-jobs limit)."""
+    return f"{PREFIX}:rate:{owner or 'anonymous'}:queued"
+
+
+def usage(day: str, owner: str) -> str:
+    """Hash of what one key used on one UTC day (YYYY-MM-DD): `<model>|<figure>` -> amount (jobs.usage)."""
+    return f"{PREFIX}:usage:{day}:{owner or 'anonymous'}"
+
+
+def usage_pattern(day: str) -> str:
+    """Pattern matching every key's usage hash of one day."""
+    return f"{PREFIX}:usage:{day}:*"
+
+
+def worker_loads(queue_names: list[str]) -> str:
+    """Hash of the text requests each worker taking from these queues holds: worker name -> "<count>:<unix time>"
+    (workers/admission.py shares a burst out by it)."""
+    return f"{PREFIX}:loads:{','.join(sorted(queue_names))}"

@@ -20,7 +20,7 @@ import time
 import redis
 from rq.job import JobStatus
 
-from jobs import checkpoints, contract, keys, queues, records, spool
+from jobs import checkpoints, contract, keys, limits, queues, records, spool
 from jobs.errors import Canceled, WorkerDied, error_data
 from jobs.events import DELTA, DONE, ERROR, PROGRESS, EventPublisher, decode, has_ended
 from jobs.queues import fetch_job
@@ -63,6 +63,7 @@ def _record_end(conn: redis.Redis, settings: Settings, job_id: str, status: str,
     record = records.load(conn, job_id)
     if record is None:
         return
+    limits.job_ended(conn, record.get("owner") or "", job_id)
     if result is not None and status == records.SUCCEEDED:
         records.set_result(conn, settings, job_id, result)
     records.set_status(conn, settings, job_id, status, error=error)
@@ -139,7 +140,7 @@ class JobRun:
 
 
 def continue_job(conn: redis.Redis, settings: Settings, request: contract.TranscriptionRequest, *, queue: str | None,
-                 func: str | None, timeout_s: float | None, attempts: int | None = None) -> str:
+                 func: str | None, timeout_s: float | None, attempts: int | None = None, owner: str = "") -> str:
     """Go on with an accepted job from its checkpoint, in a continuation "<id>_<n>" at the front of its batch
     queue (`queue` if it is one, a model's own, else the shared one); return the continuation's RQ id.
 
@@ -155,7 +156,7 @@ def continue_job(conn: redis.Redis, settings: Settings, request: contract.Transc
     queues.enqueue(conn, settings, lane_queue, func, payload, rq_id, limited=False, at_front=True,
                    description=f"{func} {request.id} (continuation {number})",
                    timeout_s=int(timeout_s or CONTINUATION_TIMEOUT_S),
-                   meta={"job_id": request.id, "continuation": number})
+                   meta={"job_id": request.id, "continuation": number, "owner": owner})
     records.update(conn, request.id, attempts=attempts, rq_job_id=rq_id)
     return rq_id
 

@@ -51,8 +51,25 @@ PROMPT_CACHE_LOOKUPS = Metric("mlxq_prompt_cache_lookups_total", "counter",
                               ("tier", "result"))
 PROMPT_CACHE_TOKENS = Metric("mlxq_prompt_cache_tokens_total", "counter",
                              "Prompt tokens resumed from a tier of the prompt cache instead of processed", ("tier",))
+KEY_USAGE = {
+    "requests": Metric("mlxq_key_requests_total", "counter", "Requests answered, per key (its id, never the key) and "
+                       "model", ("key", "model")),
+    "prompt_tokens": Metric("mlxq_key_prompt_tokens_total", "counter", "Prompt tokens, per key and model",
+                            ("key", "model")),
+    "completion_tokens": Metric("mlxq_key_completion_tokens_total", "counter",
+                                "Completion tokens, per key and model", ("key", "model")),
+    "cached_tokens": Metric("mlxq_key_cached_tokens_total", "counter",
+                            "Prompt tokens resumed from the prompt cache, per key and model", ("key", "model")),
+    "audio_seconds": Metric("mlxq_key_audio_seconds_total", "counter", "Seconds of audio transcribed or translated, "
+                            "per key and model", ("key", "model")),
+    "images": Metric("mlxq_key_images_total", "counter", "Images in chats, per key and model", ("key", "model")),
+    "embedding_inputs": Metric("mlxq_key_embedding_inputs_total", "counter", "Inputs embedded, per key and model",
+                               ("key", "model")),
+}
+"""What each key used (jobs/usage.py's figures) as counters: the same series as `GET /v1/admin/usage`, all time."""
+
 METRICS = (QUEUE_WAIT, JOB_DURATION, TIME_TO_FIRST_TOKEN, GENERATED_TOKENS, AUDIO_SECONDS, MODEL_LOAD,
-           PROMPT_CACHE_LOOKUPS, PROMPT_CACHE_TOKENS)
+           PROMPT_CACHE_LOOKUPS, PROMPT_CACHE_TOKENS, *KEY_USAGE.values())
 
 WORKER_MEMORY = {
     "rss_bytes": ("mlxq_worker_resident_memory_bytes", "A worker process's resident memory (RSS)"),
@@ -72,12 +89,15 @@ def metric_key(metric: Metric) -> str:
     return keys.metric_key(metric.name)
 
 
-def record(conn: redis.Redis, samples: list[tuple[Metric, tuple, float]]) -> None:
+def record(conn: redis.Redis, samples: list[tuple[Metric, tuple, float]], also=None) -> None:
     """Add samples, each (metric, label values, value), in one round trip: a counter grows by the value,
-    a histogram observes it. They land together (MULTI/EXEC): a scrape sees all of a job's samples or none."""
+    a histogram observes it. They land together (MULTI/EXEC): a scrape sees all of a job's samples or none.
+    `also(pipe)` queues more commands in the same transaction (the keys' usage of the day: jobs/usage.py)."""
     if not samples:
         return
     with conn.pipeline(transaction=True) as pipe:
+        if also is not None:
+            also(pipe)
         for metric, labels, value in samples:
             prefix, key = json.dumps([str(v) for v in labels]), metric_key(metric)
             if metric.kind == "counter":

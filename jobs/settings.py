@@ -36,6 +36,10 @@ class Settings:
     admin_key: str = ""
     """Key required for /rq and admin endpoints when set."""
 
+    key_limits: str = ""
+    """A JSON file of per-key limits (requests per minute, concurrent, queued async jobs, tokens and audio seconds
+    per day: jobs/limits.py, docs/operations.md); the admin API's entries win over it. "": only those."""
+
     max_body_kb: int = 1024
     """Largest JSON request body accepted, in KiB (413 above it, refused before reading)."""
 

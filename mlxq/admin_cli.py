@@ -1,6 +1,9 @@
-"""`mlxq admin ...`: the admin API from the shell (workers, queues, load / unload / pin / unpin a model)."""
+"""`mlxq admin ...`: the admin API from the shell (workers, queues, load / unload / pin / unpin a model, each
+key's usage and limits)."""
 
 from __future__ import annotations
+
+import json
 
 import click
 
@@ -17,11 +20,12 @@ def admin():
     """Operate a running mlxq: see workers and queues, load, unload or pin models."""
 
 
-def _call(url: str, key: str | None, path: str, body: dict | None = None) -> dict:
-    """GET `path` (POST `body` as JSON when given) on the admin API; the decoded answer."""
+def _call(url: str, key: str | None, path: str, body: dict | None = None, method: str | None = None,
+          params: dict | None = None) -> dict:
+    """GET `path` (POST `body` as JSON when given, or `method`) on the admin API; the decoded answer."""
     with connect(url, key, ADMIN_KEY_HINT) as client:
-        response = client.get(path) if body is None else client.post(path, json=body)
-        return response.json()
+        method = method or ("GET" if body is None else "POST")
+        return client.request(method, path, json=body, params=params).json()
 
 
 @admin.command()
@@ -64,3 +68,65 @@ def _action(name: str):
 
 for _name in ("load", "unload", "pin", "unpin"):
     _action(_name)
+
+
+USAGE_COLUMNS = (("requests", "requests"), ("prompt_tokens", "prompt"), ("completion_tokens", "completion"),
+                 ("cached_tokens", "cached"), ("audio_seconds", "audio s"), ("images", "images"),
+                 ("embedding_inputs", "embedded"))
+
+
+@admin.command()
+@click.option("--start", default=None, help="First UTC day, YYYY-MM-DD (default: --end).")
+@click.option("--end", default=None, help="Last UTC day, YYYY-MM-DD (default: today).")
+@click.option("--key", default=None, help="One key: its id, or the key itself.")
+@click.option("--json", "as_json", is_flag=True, help="Print the API's JSON rows.")
+@URL
+@KEY
+def usage(start, end, key, as_json, url, admin_key):
+    """What each key used, per UTC day and model (model * : the key's day total)."""
+    params = {name: value for name, value in (("start", start), ("end", end), ("key", key)) if value}
+    rows = _call(url, admin_key, "/v1/admin/usage", params=params)["data"]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        click.echo("no usage in that range")
+        return
+    click.echo(f"{'day':10}  {'key':24}  {'model':24}" + "".join(f"  {title:>10}" for _, title in USAGE_COLUMNS))
+    for row in rows:
+        click.echo(f"{row['day']:10}  {row['key']:24}  {row['model'][:24]:24}"
+                   + "".join(f"  {row.get(name, 0):>10g}" for name, _ in USAGE_COLUMNS))
+
+
+@admin.command()
+@click.argument("key", required=False)
+@click.option("--set", "settings", multiple=True, metavar="NAME=VALUE",
+              help="Set KEY's limits (a NAME left out is no limit; VALUE none: no limit), e.g. "
+                   "--set requests_per_minute=60 --set tokens_per_day=1000000.")
+@click.option("--clear", is_flag=True, help="Remove KEY's admin API limits (the file's apply again).")
+@URL
+@KEY
+def limits(key, settings, clear, url, admin_key):
+    """Per-key limits: all entries, or the ones that apply to KEY (its id, the key itself, or default)."""
+    if key is None:
+        if settings or clear:
+            raise click.UsageError("--set and --clear need a KEY")
+        click.echo(json.dumps(_call(url, admin_key, "/v1/admin/limits"), indent=2))
+        return
+    if settings and clear:
+        raise click.UsageError("--set and --clear do not go together")
+    path = f"/v1/admin/limits/{key}"
+    if clear:
+        answer = _call(url, admin_key, path, method="DELETE")
+    elif settings:
+        body = {}
+        for item in settings:
+            name, sep, value = item.partition("=")
+            if not sep:
+                raise click.UsageError(f"--set {item!r}: write NAME=VALUE")
+            body[name.strip()] = None if value.strip().lower() in ("", "none", "null") else float(value)
+        body = {n: (int(v) if v is not None and n != "audio_seconds_per_day" else v) for n, v in body.items()}
+        answer = _call(url, admin_key, path, body, method="PUT")
+    else:
+        answer = _call(url, admin_key, path)
+    click.echo(json.dumps(answer, indent=2))

@@ -28,6 +28,7 @@ from web.errors import error_response, register_error_handlers
 from web.headers import register_security_headers
 from web.metrics import register_metrics
 from web.openapi import MlxqApi
+from web.ratelimit import register_rate_limits
 from web.services import Services
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -52,6 +53,7 @@ def create_app(settings: Settings | dict | None = None) -> Flask:
     register_security_headers(app)
     _register_body_timeout(app, settings.body_timeout_s)
     register_auth(app)
+    register_rate_limits(app)
     register_metrics(app)
     register_error_handlers(app)
     api = MlxqApi(app, settings)

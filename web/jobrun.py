@@ -18,12 +18,13 @@ import redis
 from flask import Response, g, request
 from rq.job import JobStatus
 
-from jobs import queues, records, spool
+from jobs import limits, queues, records, spool
 from jobs.contract import Request, to_payload
 from jobs.events import DONE, ERROR
 from jobs.lifecycle import end, fail_if_orphaned, request_cancel
 from jobs.queues import fetch_job
 from jobs.subscriber import IDLE, REDIS_DOWN, follow
+from web import ratelimit
 from web.auth import caller
 from web.errors import APIError
 from web.render.base import Renderer
@@ -60,7 +61,7 @@ def submit(request: Request, func: str, description: str, queue: str = queues.IN
         queue = queue_for(queue, request.model.id)
         queues.enqueue(svc.redis, svc.settings, queue, func, to_payload(request), request.id,
                        description=description, timeout_s=timeout_s,
-                       meta={"request_id": g.request_id, **(meta or {})})
+                       meta={"request_id": g.request_id, "owner": caller().owner, **(meta or {})})
     except BaseException:
         spool.discard(svc.settings.spool_dir, request.id)  # never enqueued: nothing else will remove it
         raise
@@ -86,9 +87,17 @@ def submit_recorded(request: Request, kind: str, fields: dict, func: str, descri
 def submit_async(request: Request, kind: str, fields: dict, func: str, description: str, timeout_s: int,
                  meta: dict, conversation: list[dict] | None = None) -> str | None:
     """An async job: its record, then the job on `batch` (or the model's own batch queue). Returns a note
-    for the client when no worker is live to take it (it waits for one), else None."""
-    submit_recorded(request, kind, fields, func, description, queues.BATCH, timeout_s, meta,
-                    conversation=conversation)
+    for the client when no worker is live to take it (it waits for one), else None. A key at its `queued`
+    limit (jobs/limits.py) is answered 429."""
+    svc, who = services(), caller()
+    if not who.admin:
+        ratelimit.admit_async(svc, who.owner, request.id)
+    try:
+        submit_recorded(request, kind, fields, func, description, queues.BATCH, timeout_s, meta,
+                        conversation=conversation)
+    except Exception:
+        limits.job_ended(svc.redis, who.owner, request.id)  # never queued: it does not count
+        raise
     return None if any_worker_live(services()) else NO_WORKER_NOTE
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import redis
 from flask import current_app
 
+from jobs import limits
 from jobs.connection import get_redis
 from jobs.settings import Settings
 from jobs.subscriber import EventHub
@@ -23,6 +24,10 @@ class Services:
     _hub: EventHub | None = None
     _routes: tuple | None = None  # (expires, live workers' states): web/routing.py
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    key_limits: dict = field(default_factory=dict)  # MLXQ_KEY_LIMITS's entries (jobs.limits), read once
+
+    def __post_init__(self):
+        self.key_limits = limits.load_file(self.settings.key_limits)  # a bad file stops the app from starting
 
     @property
     def redis(self):

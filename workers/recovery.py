@@ -69,7 +69,7 @@ def _restart(conn: redis.Redis, settings: Settings, job: Job) -> str:
     if attempts >= MAX_ATTEMPTS:
         return _fail_dead(conn, settings, job, f"the job crashed the worker {attempts} times", "worker_crashed")
     continue_job(conn, settings, request, queue=job.origin, func=job.func_name, timeout_s=job.timeout,
-                 attempts=attempts + 1)
+                 attempts=attempts + 1, owner=rqjobs.owner_of(job))
     return request.id
 
 

@@ -78,6 +78,7 @@ def resumable(task: Task) -> bool:
 def hand_back(task: Task) -> None:
     """Stop a resumable task between pieces: it goes on from its checkpoint, first in its batch queue."""
     continuation = continue_job(task.run.conn, task.run.settings, task.request, queue=task.job.origin,
-                                func=task.job.func_name, timeout_s=task.job.timeout)
+                                func=task.job.func_name, timeout_s=task.job.timeout,
+                                owner=rqjobs.owner_of(task.job))
     rqjobs.succeed(task.job, task.execution, {"handed_back_to": continuation})
     log.info("handed %s back to the queue as %s", task.run.job_id, continuation)

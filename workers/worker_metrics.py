@@ -8,8 +8,9 @@ from datetime import timezone
 
 import redis
 
-from jobs import metrics
+from jobs import metrics, usage
 from jobs.errors import Canceled
+from workers import rqjobs
 
 TEXT_KINDS = frozenset({"text", "multimodal"})
 
@@ -27,13 +28,32 @@ def queue_wait_s(job) -> float | None:
 
 
 def job_ended(conn: redis.Redis, task, done: dict | None, error: BaseException | None) -> None:
-    """A job ended (`done`: its answer, or `error`): its wait, its duration, and what it produced."""
-    metrics.record(conn, samples_of_end(task, done, error))
+    """A job ended (`done`: its answer, or `error`): its wait, its duration, what it produced, and its key's usage."""
+    jobs_ended(conn, [(task, done, error)])
 
 
 def jobs_ended(conn: redis.Redis, ended: list[tuple[object, dict | None, BaseException | None]]) -> None:
     """Several jobs ended at one step (each as `job_ended`), in one round trip."""
-    metrics.record(conn, [sample for task, done, error in ended for sample in samples_of_end(task, done, error)])
+    used = [(owner, model, found) for task, done, _ in ended if done is not None
+            for owner, model, found in [usage_of(task, done)] if found]
+
+    def add_usage(pipe):
+        day = usage.today()
+        for owner, model, found in used:
+            usage.add(pipe, owner, model, found, day)
+
+    samples = [sample for task, done, error in ended for sample in samples_of_end(task, done, error)]
+    samples += [(metrics.KEY_USAGE[name], (usage.key_label(owner), model), value)
+                for owner, model, found in used for name, value in found.items()]
+    metrics.record(conn, samples, add_usage if used else None)
+
+
+def usage_of(task, done: dict) -> tuple[str, str, dict]:
+    """Whose job it was, its model, and what it used (jobs/usage.py; nothing for an admin control job)."""
+    kind = getattr(task.request, "kind", None) or "unknown"
+    model = getattr(getattr(task.request, "model", None), "id", "unknown")
+    found = {} if kind in ("control", "unknown") else usage.figures_of(kind, task.request, done)
+    return rqjobs.owner_of(task.job), model, found
 
 
 def samples_of_end(task, done: dict | None, error: BaseException | None) -> list:

@@ -61,12 +61,12 @@ def test_continue_job_puts_a_continuation_first_in_its_batch_queue_even_when_the
     queues.enqueue(redis_conn, full, queues.BATCH, queues.TRANSCRIPTION, {"id": "job-new"}, "job-new")
     request = _transcription(redis_conn, full, "job-4", attempts=2)
     rq_id = lifecycle.continue_job(redis_conn, full, request, queue=queues.BATCH, func=queues.TRANSCRIPTION,
-                                   timeout_s=600, attempts=3)
+                                   timeout_s=600, attempts=3, owner="k" * 24)
     assert rq_id == "job-4_1"
     assert queues.get_queue(queues.BATCH, redis_conn).job_ids == ["job-4_1", "job-new"]
     job = queues.fetch_job(redis_conn, rq_id)
     assert job.args[0] == {**contract.to_payload(request), "resume": True, "attempts": 3}
-    assert job.timeout == 600 and job.meta == {"job_id": "job-4", "continuation": 1}
+    assert job.timeout == 600 and job.meta == {"job_id": "job-4", "continuation": 1, "owner": "k" * 24}
     record = records.load(redis_conn, "job-4")
     assert record["attempts"] == 3 and record["rq_job_id"] == "job-4_1"
 
