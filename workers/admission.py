@@ -3,10 +3,16 @@ when, and whose turn the next piece of work is.
 
 - **Joining.** With nothing running, the worker waits on its queues (RQ's `dequeue_any`, interactive
   first). While work runs, the queues are looked at every ADMIT_EVERY_S (the first ADMIT_DEPTH jobs
-  of each) for work that can join: text while the batches hold fewer than MLXQ_MAX_BATCH requests
-  and none waits for memory, a solo task (a transcription...) when its lane's slot is free and, for
-  the batch lane, the interactive one is too; while no text can join, every FULL_LOOK_S, and at once
-  after a request ends. A chat may overtake a transcription still waiting in the same queue.
+  of each, FAIR_DEPTH of a batch queue) for work that can join: text while the batches hold fewer than
+  MLXQ_MAX_BATCH requests and none waits for memory (interactive ones up to an eighth more while async
+  ones fill them: `interactive_headroom`), a solo task (a transcription...) when its lane's slot is free
+  and, for the batch lane, the interactive one is too; while no async text can join, every FULL_LOOK_S,
+  and at once after a request ends. A chat may overtake a transcription still waiting in the same queue.
+- **Several workers.** Workers that take from the same queues write how many text requests each holds at
+  every look, and a look takes at most an even share of what they all hold and what waits (`_share`).
+- **Fair share.** Within a queue, jobs are taken round robin among the keys that submitted them, the key
+  with the fewest tasks in progress first (`fair_order`): one key's backlog cannot hold another's job
+  back for more than one place.
 - **Turns.** Text batches take turns step by step. While text decodes, a solo task still gets a
   piece after every SPEECH_TURN_S of it (so text waits at most one window, and a long transcription
   keeps going), and a text request on a model that cannot batch every other turn; with no text, a
@@ -19,14 +25,16 @@ it what each piece cost (`ran_text`, `ran_solo`).
 
 from __future__ import annotations
 
+import heapq
 import time
+from collections import Counter, deque
 from typing import TYPE_CHECKING, Protocol
 
 import redis
 from rq import Queue
 from rq.job import Job
 
-from jobs import queues
+from jobs import keys, queues
 from workers import rqjobs
 
 if TYPE_CHECKING:  # only named in annotations (the batch modules load MLX)
@@ -45,6 +53,10 @@ FULL_LOOK_S = 0.1
 waits that much longer to start, and a decode step at 64 streams no longer waits for a Redis round trip every
 10 ms (~1 ms of a 10 ms step on a GPU host). The look comes at once when a request ends (`look_now`)."""
 
+INTERACTIVE_LOOK_S = 0.025
+"""While no async text can join but interactive text still can (its headroom), how often the interactive queues
+alone are looked at."""
+
 ADMIT_DEPTH = 64
 """How far into each queue a look reaches (a chat may overtake transcriptions waiting before it): as far
 as a GPU worker's default batch (64), so a burst of chats joins in one look, not four 10 ms apart."""
@@ -54,6 +66,14 @@ SPEECH_TURN_S = 1.0
 
 TEXT_KINDS = frozenset({queues.CHAT_COMPLETION, queues.TEXT_COMPLETION, queues.VISION_CHAT})
 """The RQ function names of requests that join a text batch (when their model can batch)."""
+
+FAIR_DEPTH = 512
+"""How far into a batch queue a look reaches while text can join from it: another key's async job behind one
+key's backlog of this many still gets the next place (a key's `queued` limit, jobs/limits.py, keeps backlogs
+under it). Each job there is fetched once; later looks read only its id."""
+
+LOAD_STALE_S = 3.0
+"""A peer's load written longer ago than this is left out of the share (the peer died or stopped)."""
 
 MAX_EMBEDDING_REQUESTS = 256
 """How many embedding requests the embedding batches may hold together (their inputs wait there, not in the
@@ -81,6 +101,9 @@ class Floor(Protocol):
     def held(self) -> int:
         """How many requests taken as text wait for a solo lane (their model could not batch them)."""
 
+    def running_by_owner(self) -> Counter[str]:
+        """How many tasks in progress each key has (`rqjobs.owner_of`)."""
+
     def begin(self, job: Job, queue: Queue) -> None:
         """Start a job taken off `queue` (or fail it, if it cannot run)."""
 
@@ -88,14 +111,44 @@ class Floor(Protocol):
         """Start jobs taken together off `queue` (each as `begin`)."""
 
 
+def interactive_headroom(max_batch: int) -> int:
+    """How many interactive requests may join beyond max_batch while async ones fill the batches: an eighth."""
+    return max(1, max_batch // 8)
+
+
+def fair_order(candidates: list[tuple[str, str]], running: Counter[str]) -> list[str]:
+    """Queued job ids (each with its owner, in queue order) in the order to take them: round robin among owners,
+    the owner with the fewest tasks in progress (`running`) first, ties to the one whose next job is older; an
+    owner's own jobs in queue order. One key's backlog then takes one place in turn with every other key's."""
+    lines: dict[str, deque[tuple[int, str]]] = {}
+    for position, (job_id, owner) in enumerate(candidates):
+        lines.setdefault(owner, deque()).append((position, job_id))
+    if len(lines) < 2:
+        return [job_id for job_id, _ in candidates]
+    heap = [(running[owner], line[0][0], owner) for owner, line in lines.items()]
+    heapq.heapify(heap)
+    order = []
+    while heap:
+        count, _, owner = heapq.heappop(heap)
+        line = lines[owner]
+        order.append(line.popleft()[1])
+        if line:
+            heapq.heappush(heap, (count + 1, line[0][0], owner))
+    return order
+
+
 class Admission:
     """Takes jobs off the queues when they can join, and picks the next piece of work."""
 
-    def __init__(self, floor: Floor, conn: redis.Redis, queue_list: list[Queue], burst: bool = False):
+    def __init__(self, floor: Floor, conn: redis.Redis, queue_list: list[Queue], burst: bool = False,
+                 name: str | None = None):
         self.floor, self.conn, self.queues = floor, conn, queue_list
+        self.name = name  # this worker's, under which it shares its load with its peers (None: it does not)
+        self._loads_key = keys.worker_loads([q.name for q in queue_list])
         self.wait_s = None if burst else POLL_S  # burst mode never waits for a job
-        self._kinds: dict[str, str | None] = {}
-        self._next_look = 0.0
+        self._described: dict[str, tuple[str | None, str]] = {}  # queued job id -> (kind, owner)
+        self.headroom = interactive_headroom(floor.max_batch)
+        self._next_look = self._next_quick_look = 0.0
         self._text_since_solo = 0.0  # seconds of batch steps since a solo task last had a piece
         self._turn = 0
         self._batch_turn = 0
@@ -112,37 +165,102 @@ class Admission:
             self._next_look = 0.0
             self._look()
             return True
-        if time.monotonic() < self._next_look:
-            return False
-        return self._look()
+        now = time.monotonic()
+        if now >= self._next_look:
+            return self._look()
+        if now >= self._next_quick_look and self._text_room(queues.INTERACTIVE):
+            return self._look(quick=True)
+        return False
 
-    def _look(self) -> bool:
-        """Take what can join the work in progress from the first ADMIT_DEPTH jobs of each queue."""
-        self._next_look = time.monotonic() + (ADMIT_EVERY_S if self._text_room() else FULL_LOOK_S)
+    def _look(self, quick: bool = False) -> bool:
+        """Take what can join the work in progress from the first jobs of each queue, fairly among keys (`quick`:
+        of the interactive queues only, for the headroom interactive requests have beyond a batch full of async
+        ones)."""
+        # While no async text can join, the full look comes every FULL_LOOK_S (for a transcription); a quick one
+        # every INTERACTIVE_LOOK_S in between, while interactive text can still join: a step of async requests is
+        # taxed with one short round trip, and a synchronous chat waits a few ms to join, not 50 on average.
+        now = time.monotonic()
+        batch_room = self._text_room(queues.BATCH)
+        self._next_quick_look = now + INTERACTIVE_LOOK_S
+        if not quick:
+            self._next_look = now + (ADMIT_EVERY_S if batch_room else FULL_LOOK_S)
+        looked = [q for q in self.queues if not quick or queues.lane_of(q.name) == queues.INTERACTIVE]
+        # Deep into the batch lane only when text from it can join: a key's job behind another's backlog.
+        depths = [FAIR_DEPTH if batch_room and queues.lane_of(q.name) == queues.BATCH else ADMIT_DEPTH for q in looked]
         took = False
-        for queue, ids in rqjobs.peek(self.queues, self.conn, ADMIT_DEPTH):
+        running = self.floor.running_by_owner()
+        peeked, peers = self._peek(looked, depths)
+        described = {queue.name: [(job_id, *self._describe(job_id, ids)) for job_id in ids] for queue, ids in peeked}
+        share = self._share(peers, sum(kind in TEXT_KINDS for found in described.values() for _, kind, _ in found))
+        for queue, _ in peeked:
             together = []  # text and embeddings, taken together (a burst of chats: two round trips, not two each)
-            texts, embeddings = self._text_room(), self._embedding_room()
-            for job_id in ids:
-                kind = self._kind(job_id, ids)
+            lane = queues.lane_of(queue.name)
+            texts, embeddings = min(self._text_room(lane), share), self._embedding_room()
+            share -= texts
+            for job_id in fair_order([(job_id, owner) for job_id, _, owner in described[queue.name]], running):
+                kind, owner = self._described[job_id]
                 if kind in TEXT_KINDS:
                     if texts > 0:
                         together.append(job_id)
                         texts -= 1
+                        running[owner] += 1
                 elif kind == queues.EMBEDDING:
                     if embeddings > 0:
                         together.append(job_id)
                         embeddings -= 1
+                        running[owner] += 1
                 elif self._has_room(queue.name):
                     job = rqjobs.claim(queue, job_id)
                     if job is not None:
                         self.floor.begin(job, queue)
+                        running[owner] += 1
                         took = True
+            share += texts  # what this queue left of the share, for the next one
             claimed = rqjobs.claim_many(queue, together)
             if claimed:
                 self.floor.begin_many(claimed, queue)
                 took = True
         return took
+
+    def _peek(self, looked: list[Queue], depths: list[int]) -> tuple[list[tuple[Queue, list[str]]], dict[str, int]]:
+        """The first job ids of each queue looked at (as many as its depth), and the text requests each live worker
+        that takes from the same queues holds (this one's written now), in one round trip."""
+        with self.conn.pipeline(transaction=False) as pipe:
+            if self.name is not None:
+                pipe.hset(self._loads_key, self.name, f"{self._text_load()}:{time.time():.3f}")
+                pipe.expire(self._loads_key, 3600)
+                pipe.hgetall(self._loads_key)
+            for queue, depth in zip(looked, depths, strict=True):
+                pipe.lrange(queue.key, 0, depth - 1)
+            found = pipe.execute()
+        peers = {}
+        if self.name is not None:
+            now = time.time()
+            for name, value in found[2].items():
+                count, _, at = (value.decode() if isinstance(value, bytes) else value).partition(":")
+                if now - float(at) < LOAD_STALE_S:
+                    peers[name.decode() if isinstance(name, bytes) else name] = int(count)
+            found = found[3:]
+        return [(queue, [i.decode() if isinstance(i, bytes) else i for i in ids])
+                for queue, ids in zip(looked, found, strict=True)], peers
+
+    def _share(self, peers: dict[str, int], waiting: int) -> int:
+        """How many of the `waiting` text requests this worker may take now: all, alone; with peers on the same
+        queues, up to an even share of what they all hold and what waits (a burst of chats spreads over the
+        workers instead of filling the first one that looks; the others take the rest at their next look)."""
+        if len(peers) < 2:
+            return waiting
+        fair = -(-(sum(peers.values()) + waiting) // len(peers))
+        return max(0, fair - self._text_load())
+
+    def _text_load(self) -> int:
+        """The text requests this worker holds."""
+        return sum(len(b) for b in self.floor.batches()) + self.floor.held()
+
+    def forget(self) -> None:
+        """Take this worker out of the loads its peers share by (it stops)."""
+        if self.name is not None:
+            self.conn.hdel(self._loads_key, self.name)
 
     def look_now(self) -> None:
         """Look at the queues at the next `admit`, however recent the last look."""
@@ -172,20 +290,28 @@ class Admission:
         """A solo task had a piece: text gets SPEECH_TURN_S of steps before its next one."""
         self._text_since_solo = 0.0
 
-    def _kind(self, job_id: str, neighbours: list[str]) -> str | None:
-        """A queued job's kind (its RQ function name), fetched once for it and the jobs around it."""
-        if job_id not in self._kinds:
-            if len(self._kinds) > 4096:
-                self._kinds.clear()
-            self._kinds.update(rqjobs.kinds([i for i in neighbours if i not in self._kinds], self.conn))
-        return self._kinds.get(job_id)
+    def _describe(self, job_id: str, neighbours: list[str]) -> tuple[str | None, str]:
+        """A queued job's kind (its RQ function name) and owner, fetched once for it and the jobs around it."""
+        if job_id not in self._described:
+            if len(self._described) > 8192:
+                self._described.clear()
+            self._described.update(rqjobs.describe([i for i in neighbours if i not in self._described], self.conn))
+        return self._described.get(job_id, (None, ""))
 
-    def _text_room(self) -> int:
-        """How many more text requests may join the batches now (none while one waits for memory)."""
+    def _text_room(self, lane: str) -> int:
+        """How many more text requests from `lane` may join the batches now (none while one waits for memory).
+
+        Each lane may fill the batches (max_batch requests) by itself; with the batch lane's async requests
+        filling them, interactive ones may still join, up to `headroom` more, so a synchronous call never
+        waits for an async one to end (and then takes the place it frees first: its queue is looked at first)."""
         batches = self.floor.batches()
         if any(b.waiting for b in batches):
             return 0
-        return max(0, self.floor.max_batch - sum(len(b) for b in batches) - self.floor.held())
+        total = sum(len(b) for b in batches) + self.floor.held()
+        if lane == queues.BATCH:
+            return max(0, self.floor.max_batch - total)
+        interactive = sum(1 for b in batches for task in b.tasks if queues.lane_of(task.lane) == queues.INTERACTIVE)
+        return max(0, min(self.floor.max_batch - interactive, self.floor.max_batch + self.headroom - total))
 
     def _embedding_room(self) -> int:
         """How many more embedding requests may join the embedding batches now."""

@@ -18,7 +18,7 @@ from rq.job_lifecycle import record_job_failure
 from rq.registry import StartedJobRegistry
 from rq.results import Result
 from rq.serializers import JSONSerializer
-from rq.utils import as_text, now
+from rq.utils import now
 
 HEARTBEAT_TTL_S = 60
 """How long a started job stays in its started registry without a heartbeat (the worker beats every second)."""
@@ -33,19 +33,12 @@ def take(queues: list[Queue], connection: redis.Redis, wait_s: int | None = None
     return found if found else None
 
 
-def peek(queues: list[Queue], connection: redis.Redis, depth: int) -> list[tuple[Queue, list[str]]]:
-    """The first `depth` job ids of each queue, in one round trip, without taking them."""
-    with connection.pipeline(transaction=False) as pipe:
-        for queue in queues:
-            pipe.lrange(queue.key, 0, depth - 1)
-        found = pipe.execute()
-    return [(queue, [as_text(i) for i in ids]) for queue, ids in zip(queues, found, strict=True)]
-
-
-def kinds(job_ids: list[str], connection: redis.Redis) -> dict[str, str | None]:
-    """What each job runs (its function name: the request kind), in one round trip; None if it is gone."""
+def describe(job_ids: list[str], connection: redis.Redis) -> dict[str, tuple[str | None, str]]:
+    """What each job runs (its function name: the request kind) and whose it is (`owner_of`), in one round
+    trip; (None, "") if it is gone."""
     jobs = Job.fetch_many(job_ids, connection=connection, serializer=JSONSerializer)
-    return {job_id: (job.func_name if job is not None else None) for job_id, job in zip(job_ids, jobs, strict=True)}
+    return {job_id: ((job.func_name, owner_of(job)) if job is not None else (None, ""))
+            for job_id, job in zip(job_ids, jobs, strict=True)}
 
 
 def claim(queue: Queue, job_id: str) -> Job | None:
@@ -80,6 +73,11 @@ def payload(job: Job) -> dict:
 def logical_id(job: Job) -> str:
     """The id of the job the RQ job runs (a continuation "<id>_<n>" runs job <id>)."""
     return str(payload(job).get("id") or job.id)
+
+
+def owner_of(job: Job) -> str:
+    """Whose job it is: the id of the key that submitted it (web.auth.owner_of; "" on an open server)."""
+    return str((job.meta or {}).get("owner") or "")
 
 
 def start(job: Job, worker_name: str) -> Execution:

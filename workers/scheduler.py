@@ -70,7 +70,7 @@ class Scheduler:
         self.waiting_solo: dict[str, deque[Task]] = {queues.INTERACTIVE: deque(), queues.BATCH: deque()}
         self.prompt_cache = PromptCache(max_size=64, max_bytes=settings.prompt_cache_mb * 2**20)
         self.prompt_disk = prompt_disk.open_tier(settings)  # its disk tier (None: off, or another worker's)
-        self.admission = Admission(self, conn, list(self.queues.values()), burst)
+        self.admission = Admission(self, conn, list(self.queues.values()), burst, name=name)
         self.stopping = self.cold = False
         self._next_expiry = 0.0
         self._spent, self._spent_since = Counter(), time.monotonic()  # DEBUG: where the loop's time goes
@@ -104,6 +104,10 @@ class Scheduler:
         """How many requests wait for a solo lane (taken as text, their model could not batch them)."""
         return sum(len(line) for line in self.waiting_solo.values())
 
+    def running_by_owner(self) -> Counter[str]:
+        """How many tasks in progress each key has (its fair share when jobs are taken: workers/admission.py)."""
+        return Counter(rqjobs.owner_of(task.job) for task in self.active())
+
     def stop(self, cold: bool = False) -> None:
         """Ask the loop to stop: warm (finish text, hand back a transcription) or cold (end it all now)."""
         self.stopping = True
@@ -111,14 +115,20 @@ class Scheduler:
 
     def run(self) -> None:
         """Take and run jobs until stopped (or, in burst mode, until there is nothing left)."""
-        while True:
+        try:
+            while True:
+                try:
+                    if self.cold:
+                        return self._end_all(WorkerShutdown("the worker shut down while running this job"))
+                    if not self.step() and (self.stopping or self.burst):
+                        return self._close_prompt_disk()
+                except REDIS_DOWN as exc:
+                    self._ride_out_redis(exc)
+        finally:
             try:
-                if self.cold:
-                    return self._end_all(WorkerShutdown("the worker shut down while running this job"))
-                if not self.step() and (self.stopping or self.burst):
-                    return self._close_prompt_disk()
-            except REDIS_DOWN as exc:
-                self._ride_out_redis(exc)
+                self.admission.forget()  # its peers stop leaving it a share
+            except REDIS_DOWN:
+                pass  # (its entry goes stale in seconds)
 
     def _close_prompt_disk(self) -> None:
         """At a warm stop (or the end of a burst), write the prompt cache's entries that are not on disk yet (a

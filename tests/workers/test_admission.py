@@ -4,6 +4,7 @@ over it); the queues are real RQ queues on the test Redis."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -14,13 +15,19 @@ from workers.admission import Admission
 
 @dataclass
 class Batch:
-    """A text batch as the policy sees it: its size, and whether a request in it waits for memory."""
+    """A text batch as the policy sees it: its size, whether a request in it waits for memory, and the lane
+    its requests came from."""
 
     members: int = 0
     waiting: bool = False
+    lane: str = queues.INTERACTIVE
 
     def __len__(self) -> int:
         return self.members
+
+    @property
+    def tasks(self) -> list:
+        return [SimpleNamespace(lane=self.lane)] * self.members
 
 
 @dataclass
@@ -34,8 +41,13 @@ class Floor:
     begun: list = field(default_factory=list)
     waiting_solo: int = 0
 
+    owners: Counter = field(default_factory=Counter)
+
     def held(self) -> int:
         return self.waiting_solo
+
+    def running_by_owner(self) -> Counter:
+        return Counter(self.owners)
 
     def active(self) -> list:
         return [*(t for t in self.solo.values() if t is not None),
@@ -134,7 +146,7 @@ def test_while_no_text_can_join_the_queues_are_looked_at_less_often_until_a_plac
     floor = Floor(max_batch=1, text=[Batch(members=1)])  # the batches are full
     policy = _policy(floor, redis_conn)
     looks = []
-    monkeypatch.setattr(admission.rqjobs, "peek", lambda *a: looks.append(1) or [])
+    monkeypatch.setattr(Admission, "_peek", lambda *a: looks.append(1) or ([], {}))
     clock = [100.0]
     monkeypatch.setattr(admission.time, "monotonic", lambda: clock[0])
     policy.admit()
@@ -170,3 +182,64 @@ def test_embedding_batches_take_turns_with_text_batches():
     policy = _policy(Floor(text=[text], embed=[embed]))
     assert {id(policy.pick()) for _ in range(4)} == {id(text), id(embed)}
     assert _policy(Floor(text=[Batch(members=0)], embed=[embed])).pick() is embed  # an empty batch never gets a turn
+
+
+def test_fair_order_takes_keys_in_turn_the_one_with_least_in_progress_first():
+    queued = [("a1", "A"), ("a2", "A"), ("a3", "A"), ("b1", "B"), ("a4", "A"), ("c1", "C"), ("b2", "B")]
+    assert admission.fair_order(queued, Counter()) == ["a1", "b1", "c1", "a2", "b2", "a3", "a4"]
+    # A has two in progress already: B and C go first, until they have as many.
+    assert admission.fair_order(queued, Counter({"A": 2})) == ["b1", "c1", "b2", "a1", "a2", "a3", "a4"]
+    assert admission.fair_order([("x", "A"), ("y", "A")], Counter({"B": 5})) == ["x", "y"]  # one key: queue order
+
+
+def _owned(conn, settings, queue: str, job_id: str, owner: str) -> None:
+    queues.enqueue(conn, settings, queue, queues.CHAT_COMPLETION, {"id": job_id}, job_id, meta={"owner": owner})
+
+
+def test_another_keys_async_chat_takes_the_next_place_before_one_keys_backlog(redis_conn, settings):
+    floor = Floor(max_batch=4, text=[Batch(members=2, lane=queues.BATCH)], owners=Counter({"A": 2}))
+    for n in range(6):
+        _owned(redis_conn, settings, queues.BATCH, f"a{n}", "A")
+    _owned(redis_conn, settings, queues.BATCH, "b0", "B")
+    policy = _policy(floor, redis_conn)
+    assert policy.admit()
+    assert [job_id for job_id, _ in floor.begun] == ["b0", "a0"]  # two places: B's job first, then A's next
+    assert queues.get_queue(queues.BATCH, redis_conn).job_ids == ["a1", "a2", "a3", "a4", "a5"]
+
+
+def test_async_requests_filling_the_batch_leave_interactive_ones_an_eighth_more():
+    assert admission.interactive_headroom(64) == 8 and admission.interactive_headroom(4) == 1
+    floor = Floor(max_batch=16, text=[Batch(members=16, lane=queues.BATCH)])
+    policy = _policy(floor)
+    assert policy._text_room(queues.BATCH) == 0 and policy._text_room(queues.INTERACTIVE) == 2
+    floor.text = [Batch(members=16, lane=queues.INTERACTIVE)]  # interactive ones alone hold max_batch, no more
+    assert policy._text_room(queues.INTERACTIVE) == 0 and policy._text_room(queues.BATCH) == 0
+    floor.text = [Batch(members=4, lane=queues.INTERACTIVE), Batch(members=10, lane=queues.BATCH)]
+    assert policy._text_room(queues.INTERACTIVE) == 4 and policy._text_room(queues.BATCH) == 2
+
+
+def test_an_interactive_chat_joins_a_batch_full_of_async_ones(redis_conn, settings):
+    floor = Floor(max_batch=4, text=[Batch(members=4, lane=queues.BATCH)], owners=Counter({"A": 4}))
+    _owned(redis_conn, settings, queues.BATCH, "a9", "A")
+    _owned(redis_conn, settings, queues.INTERACTIVE, "b0", "B")
+    policy = _policy(floor, redis_conn)
+    assert policy.admit()
+    assert floor.begun == [("b0", queues.INTERACTIVE)]
+    assert queues.get_queue(queues.BATCH, redis_conn).job_ids == ["a9"]
+
+
+def test_a_burst_is_shared_out_evenly_among_the_workers_on_the_same_queues(redis_conn, settings):
+    for n in range(6):
+        _owned(redis_conn, settings, queues.INTERACTIVE, f"c{n}", "A")
+    peer = Admission(Floor(max_batch=8), redis_conn, [queues.get_queue(queues.INTERACTIVE, redis_conn)], True,
+                     name="peer")
+    assert peer._peek([], [])[1] == {"peer": 0}  # the peer looked (holding nothing) and wrote its load
+    floor = Floor(max_batch=8, text=[Batch(members=1)])
+    mine = Admission(floor, redis_conn, [queues.get_queue(queues.INTERACTIVE, redis_conn)], True, name="me")
+    assert mine.admit()
+    assert [job_id for job_id, _ in floor.begun] == ["c0", "c1", "c2"]  # (1 held + 6 waiting + 0) / 2 workers: 4
+    other = Floor(max_batch=8, text=[Batch(members=0)])
+    alone = Admission(other, redis_conn, [queues.get_queue(queues.BATCH, redis_conn)], True, name="solo")
+    assert alone._share({"solo": 0}, 6) == 6  # no peer on its queues: it takes what it can
+    mine.forget()
+    assert mine._peek([], [])[1] == {"peer": 0, "me": 1}  # (and its next look writes it back)
