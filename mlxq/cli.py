@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from urllib.parse import urlsplit
 
@@ -72,9 +73,14 @@ def webhook_worker_argv(redis_url: str) -> list[str]:
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=int, help="The API's port (`make run PORT=...`).")
 @click.option("--web-workers", default=2, show_default=True, type=int)
-def up(host, port, web_workers):
-    """Run everything: Redis (if none answers), web, the MLX worker and the webhook worker."""
-    from mlxq.devstack import Stack, describe_port_problem, port_problem
+@click.option("--workers", "worker_count", default=None, type=click.IntRange(min=1),
+              help="MLX workers on the default device, each with its own copy of the models (default 1; with "
+              "--gpus, one per GPU).")
+@click.option("--gpus", default=None, help="One MLX worker per NVIDIA GPU, each seeing only its own: `all` (those "
+              "CUDA_VISIBLE_DEVICES lists, else every GPU `nvidia-smi -L` lists) or device indices such as 0,1.")
+def up(host, port, web_workers, worker_count, gpus):
+    """Run everything: Redis (if none answers), web, the MLX workers and the webhook worker."""
+    from mlxq.devstack import Stack, describe_port_problem, port_problem, worker_plans
 
     # Before anything starts: a taken port would otherwise show a banner for someone else's server.
     problem = port_problem(host, port)
@@ -82,16 +88,55 @@ def up(host, port, web_workers):
         raise click.ClickException(f"cannot listen on {host}:{port}: {describe_port_problem(problem)} (another "
                                    "mlxq or another server may have it). Pick another port: `mlxq up --port PORT` "
                                    "or `make run PORT=PORT`.")
+    devices = gpu_devices(gpus, worker_count)
+    count = len(devices) if devices else worker_count or 1
     settings = load_settings()
+    budget_mb = shared_budget_mb(settings, count, devices)
     stack = Stack(log=lambda line: click.echo(f"[mlxq up] {line}", err=True))
     redis_url = stack.ensure_redis(settings, settings.models_dir.parent / "redis")
     env = {"REDIS_URL": redis_url, "MLXQ_REDIS_URL": redis_url}
-    worker_env = {**env, "MLXQ_PROMPT_CACHE_DIR": prompt_cache_dir(settings, redis_url)}
-    stack.start("worker", [sys.executable, "-m", "workers.main"], worker_env)
+    plans = worker_plans(count, devices, f"mlxq-{socket.gethostname()}-{port}", env,
+                         prompt_cache_dir(settings, redis_url), budget_mb)
+    for plan in plans:
+        stack.start(plan.child, plan.argv, plan.env)
     stack.start("webhooks", webhook_worker_argv(redis_url), env)
     stack.start("web", gunicorn_argv(host, port, web_workers), env)
-    click.echo(banner(f"http://{host}:{port}", redis_url, settings))
+    click.echo(banner(f"http://{host}:{port}", redis_url, settings, count, devices, budget_mb))
     sys.exit(stack.wait())
+
+
+def gpu_devices(spec: str | None, count: int | None) -> list[str] | None:
+    """The GPUs of `--gpus` (None without it); a ClickException for a spec that names none, or a `--workers`
+    that is not their number."""
+    if spec is None:
+        return None
+    from mlxq.devstack import parse_gpus
+
+    try:
+        devices = parse_gpus(spec)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    if count is not None and count != len(devices):
+        raise click.ClickException(f"--workers {count} with --gpus {spec} ({len(devices)} GPU(s): "
+                                   f"{', '.join(devices)}): with --gpus there is one worker per GPU; drop --workers "
+                                   "or name as many GPUs")
+    return devices
+
+
+def shared_budget_mb(settings, count: int, devices: list[str] | None) -> int | None:
+    """MLXQ_MEMORY_BUDGET_MB for each of `count` workers sharing one device: what one would take by default,
+    divided among them. None (each its own) for a lone worker, one per GPU, or a budget the operator set; None
+    with a warning when the default cannot be found."""
+    from mlxq.devstack import default_budget_bytes
+
+    if count == 1 or devices or settings.memory_budget_mb > 0:
+        return None
+    total = default_budget_bytes()
+    if total is None:
+        click.echo(f"[mlxq up] warning: could not find the default memory budget to share among {count} workers; "
+                   "each takes 70% of the device's memory: set MLXQ_MEMORY_BUDGET_MB (MiB per worker)", err=True)
+        return None
+    return max(1, total // count // 2**20)
 
 
 def prompt_cache_dir(settings, redis_url: str) -> str:
@@ -106,13 +151,21 @@ def prompt_cache_dir(settings, redis_url: str) -> str:
     return str(settings.models_dir.parent / "prompt-cache" / f"{parts.port or 6379}-{db}")
 
 
-def banner(base: str, redis_url: str, settings) -> str:
-    """What `mlxq up` prints once everything is starting: where things are, and a curl line to try."""
+def banner(base: str, redis_url: str, settings, workers: int = 1, gpus: list[str] | None = None,
+           budget_mb: int | None = None) -> str:
+    """What `mlxq up` prints once everything is starting: where things are, its MLX workers (how many, on which
+    GPUs or sharing which memory budget), and a curl line to try."""
     key = f' -H "Authorization: Bearer {settings.api_keys[0]}"' if settings.api_keys else ""
+    loads = "the worker loads its model" if workers == 1 else "each worker loads its model"
+    if gpus:
+        where = f", one per GPU ({', '.join(gpus)})"
+    else:
+        where = " on the default device" + (f", {budget_mb} MiB of memory budget each" if budget_mb else "")
     return (
-        f"\nmlxq is starting (the worker loads its model first; {base}/ready says when it can serve):\n"
+        f"\nmlxq is starting ({loads} first; {base}/ready says when it can serve):\n"
         f"  Page        {base}/\n  API         {base}/v1\n  Swagger UI  {base}/docs\n"
-        f"  OpenAPI     {base}/openapi.json\n  Dashboard   {base}/rq\n  Redis       {redis_url}\n\n"
+        f"  OpenAPI     {base}/openapi.json\n  Dashboard   {base}/rq\n  Redis       {redis_url}\n"
+        f"  Workers     {workers}{where}\n\n"
         f"Try:\n  curl -s {base}/v1/chat/completions{key} -H 'Content-Type: application/json' "
         f"-d '{{\"model\": \"{settings.default_model}\", \"messages\": "
         "[{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], "

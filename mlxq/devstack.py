@@ -1,7 +1,8 @@
-"""`mlxq up`: find or start Redis, then run web (gunicorn + gevent), the worker and the webhook worker.
+"""`mlxq up`: find or start Redis, then run web (gunicorn + gevent), the MLX workers (one, one per GPU, or
+N on the default device) and the webhook worker.
 
-It supervises them: a child that exits (a crash, kill -9, the OOM killer) is started again after a
-backoff, with a log line saying so; async jobs that a dead worker held resume from their
+It supervises them, each on its own: a child that exits (a crash, kill -9, the OOM killer) is started
+again after a backoff, with a log line saying so; async jobs that a dead worker held resume from their
 checkpoints once the new worker's recovery sweep sees the old one gone. A child that keeps dying
 within seconds of its start (a port in use, a broken install) ends `mlxq up` with its exit code.
 Every child gets PR_SET_PDEATHSIG on Linux and its own process group, and only Ctrl-C / SIGTERM
@@ -19,6 +20,8 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -125,12 +128,110 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+GPU_LIST_TIMEOUT_S = 10.0
+"""The longest wait for `nvidia-smi -L` (it answers in well under a second where a driver is loaded)."""
+
+
+def cuda_visible(value: str) -> list[str]:
+    """The devices a CUDA_VISIBLE_DEVICES value lists (indices or GPU-/MIG- UUIDs), up to the first entry that is
+    neither, where CUDA stops reading it too ("-1", "" or "none": no device)."""
+    devices = []
+    for entry in (part.strip() for part in value.split(",")):
+        if not (entry.isdigit() or entry.startswith(("GPU-", "MIG-"))):
+            break
+        devices.append(entry)
+    return devices
+
+
+def nvidia_gpus() -> list[str]:
+    """The indices of the NVIDIA GPUs `nvidia-smi -L` lists (a line "GPU <i>: <name> (UUID: ...)" each); none where
+    it is missing or fails (no driver)."""
+    try:
+        done = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=GPU_LIST_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if done.returncode != 0:
+        return []
+    return [str(i) for i in range(sum(line.startswith("GPU ") for line in done.stdout.splitlines()))]
+
+
+def parse_gpus(spec: str, environ=None) -> list[str]:
+    """The CUDA devices of `mlxq up --gpus`: "all" (those CUDA_VISIBLE_DEVICES lists where it is set, else every
+    GPU nvidia-smi lists), or comma-separated device indices. ValueError saying what is wrong (none found too)."""
+    environ = os.environ if environ is None else environ
+    if spec.strip().lower() == "all":
+        if "CUDA_VISIBLE_DEVICES" in environ:
+            devices = cuda_visible(environ["CUDA_VISIBLE_DEVICES"])
+            where = f"CUDA_VISIBLE_DEVICES={environ['CUDA_VISIBLE_DEVICES']!r} lists"
+        else:
+            devices, where = nvidia_gpus(), "`nvidia-smi -L` lists (is the NVIDIA driver installed?)"
+        if not devices:
+            raise ValueError(f"--gpus all: no GPU found: none that {where}. Without a GPU, run `mlxq up` "
+                             "(or `--workers N`) on the default device.")
+        return devices
+    devices = [part.strip() for part in spec.split(",") if part.strip()]
+    if not devices or not all(d.isdigit() for d in devices):
+        raise ValueError(f"--gpus {spec!r}: expected `all` or CUDA device indices such as 0,1")
+    if len(set(map(int, devices))) != len(devices):
+        raise ValueError(f"--gpus {spec!r}: a GPU is named twice (one worker per GPU)")
+    return [str(int(d)) for d in devices]
+
+
+def default_budget_bytes() -> int | None:
+    """The memory budget one worker takes by default (workers.models.memory_budget_bytes: 70% of its device's
+    memory), asked of a child process, since finding the device imports MLX and `mlxq up` itself never does;
+    None when that fails."""
+    code = ("from workers.models import memory_budget_bytes\nfrom workers.platform import backend\n"
+            "print(memory_budget_bytes(0, backend()))")
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+        return int(done.stdout.split()[-1])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """One MLX worker of `mlxq up`: its name among the children, the start of its worker name (None: the
+    worker's own default, mlxq-<host>-<pid>-<random>) and its environment."""
+
+    child: str
+    stem: str | None
+    env: dict
+
+    def argv(self) -> list[str]:
+        """Its command line, with a worker name of its own at each start: a restarted worker must not take the
+        name of the one that died, or no live worker would see that one dead and recover its jobs."""
+        name = ["--name", f"{self.stem}-{uuid.uuid4().hex[:6]}"] if self.stem else []
+        return [sys.executable, "-m", "workers.main", *name]
+
+
+def worker_plans(count: int, gpus: list[str] | None, stem: str, env: dict, cache_dir: str,
+                 budget_mb: int | None = None) -> list[WorkerPlan]:
+    """The MLX workers of `mlxq up`: one per device of `gpus` (seeing only it: CUDA_VISIBLE_DEVICES), else `count`
+    on the default device. Several, or one on a chosen GPU, get names starting with `stem` (mlxq-<host>-<port>);
+    several get a prompt-cache directory each (`cache_dir`-w<i>; a lone worker keeps `cache_dir`, "" stays off).
+    `budget_mb`: each one's MLXQ_MEMORY_BUDGET_MB, where given."""
+    budget = {} if budget_mb is None else {"MLXQ_MEMORY_BUDGET_MB": str(budget_mb)}
+    if gpus:
+        numbered = all(g.isdigit() for g in gpus)  # else UUIDs from CUDA_VISIBLE_DEVICES: named by position
+        slots = [(f"gpu{g if numbered else i}", {"CUDA_VISIBLE_DEVICES": g}) for i, g in enumerate(gpus)]
+    elif count == 1:  # exactly the worker `mlxq up` always started
+        return [WorkerPlan("worker", None, {**env, **budget, "MLXQ_PROMPT_CACHE_DIR": cache_dir})]
+    else:
+        slots = [(f"w{i}", {}) for i in range(count)]
+    return [WorkerPlan(f"worker-{tag}", f"{stem}-{tag}", {
+        **env, **device, **budget,
+        "MLXQ_PROMPT_CACHE_DIR": f"{cache_dir}-w{i}" if cache_dir and len(slots) > 1 else cache_dir,
+    }) for i, (tag, device) in enumerate(slots)]
+
+
 @dataclass
 class Child:
     """One supervised process: how to start it, the running process (None while it waits to restart)."""
 
     name: str
-    argv: list[str]
+    argv: list[str] | Callable[[], list[str]]  # a callable gives the command line of each start
     env: dict
     process: subprocess.Popen | None = None
     started: float = 0.0
@@ -140,7 +241,8 @@ class Child:
 
     def spawn(self) -> subprocess.Popen:
         """Start the process in its own process group, tied to our life."""
-        self.process = subprocess.Popen(self.argv, env={**os.environ, **self.env}, preexec_fn=_die_with_parent,
+        argv = self.argv() if callable(self.argv) else self.argv
+        self.process = subprocess.Popen(argv, env={**os.environ, **self.env}, preexec_fn=_die_with_parent,
                                         pass_fds=self.pass_fds)
         self.started = time.monotonic()
         return self.process
@@ -154,9 +256,9 @@ class Stack:
         self.log = log
         self.locks: list[int] = []  # descriptors of the data directories locked for our Redis
 
-    def start(self, name: str, argv: list[str], env: dict | None = None,
+    def start(self, name: str, argv: list[str] | Callable[[], list[str]], env: dict | None = None,
               pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
-        """Start one supervised child."""
+        """Start one supervised child (`argv`: its command line, or a callable giving it at each start)."""
         child = Child(name, argv, dict(env or {}), pass_fds=pass_fds)
         self.children.append(child)
         return child.spawn()

@@ -1,6 +1,7 @@
 """`mlxq up` as an operator runs it: an embedded Redis when none is there, a worker killed with -9
-restarted, and Ctrl-C / SIGTERM leaving no process behind. (What a restarted worker does with the job the
-killed one was running, a transcription resumed from its checkpoint, is tests/integration/test_faults.py.)"""
+restarted, and Ctrl-C / SIGTERM leaving no process behind; several workers (`--workers N`, `--gpus`), each
+with its own device, name, prompt-cache directory and share of memory. (What a restarted worker does with the
+job the killed one was running, a transcription resumed from its checkpoint, is tests/integration/test_faults.py.)"""
 
 from __future__ import annotations
 
@@ -17,9 +18,12 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 import redis
+from click.testing import CliRunner
 
 from jobs.settings import load_settings
-from mlxq.devstack import LOCK_NAME, Stack, free_port, lock_data_dir, redis_answers
+from mlxq import devstack
+from mlxq.cli import banner, main, shared_budget_mb
+from mlxq.devstack import LOCK_NAME, Stack, free_port, lock_data_dir, parse_gpus, redis_answers, worker_plans
 from tests.conftest import REPO, wait_until
 
 RESTARTED_WITHIN_S = 30
@@ -140,8 +144,6 @@ def test_up_refuses_a_taken_port_before_starting_anything(bare_env, tmp_path):
 
 
 def test_a_child_that_cannot_stay_up_ends_the_stack_with_its_code(monkeypatch):
-    from mlxq import devstack
-
     monkeypatch.setattr(devstack, "RESTART_DELAY_S", 0.01)
     lines = []
     stack = Stack(log=lines.append)
@@ -151,6 +153,187 @@ def test_a_child_that_cannot_stay_up_ends_the_stack_with_its_code(monkeypatch):
     assert sum("restarted" in line for line in lines) == devstack.MAX_QUICK_DEATHS - 1
     assert "giving up" in lines[-1]
     stack.stop()
+
+
+def _fake_nvidia_smi(bin_dir: Path, listing: str) -> None:
+    """An `nvidia-smi` in bin_dir that prints `listing` for -L (as on a host with those GPUs)."""
+    script = bin_dir / "nvidia-smi"
+    script.write_text(f"#!/bin/sh\nprintf '%s' '{listing}'\n")  # a builtin: PATH may hold nothing else
+    script.chmod(0o755)
+
+
+def test_gpus_are_parsed_from_a_list_cuda_visible_devices_or_nvidia_smi(tmp_path, monkeypatch):
+    assert parse_gpus("0,1", environ={}) == ["0", "1"]
+    assert parse_gpus(" 3 , 01 ", environ={"CUDA_VISIBLE_DEVICES": "5"}) == ["3", "1"]  # a list is taken as given
+    for spec, reason in (("0,0", "named twice"), ("a", "device indices"), ("-1", "device indices"),
+                         ("", "device indices"), ("GPU-1f2e", "device indices")):
+        with pytest.raises(ValueError, match=reason):
+            parse_gpus(spec, environ={})
+    # `all` with CUDA_VISIBLE_DEVICES set: the devices it lists, up to the first entry CUDA stops at.
+    assert parse_gpus("all", environ={"CUDA_VISIBLE_DEVICES": "2,3"}) == ["2", "3"]
+    assert parse_gpus("ALL", environ={"CUDA_VISIBLE_DEVICES": "GPU-8f1c,MIG-77aa"}) == ["GPU-8f1c", "MIG-77aa"]
+    assert parse_gpus("all", environ={"CUDA_VISIBLE_DEVICES": "1,-1,2"}) == ["1"]
+    for hidden in ("", "-1", "none"):
+        with pytest.raises(ValueError, match="no GPU found.*CUDA_VISIBLE_DEVICES"):
+            parse_gpus("all", environ={"CUDA_VISIBLE_DEVICES": hidden})
+    # Else what nvidia-smi -L lists: one "GPU i: ..." line per GPU (MIG devices are indented lines below theirs).
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(ValueError, match="no GPU found.*nvidia-smi -L"):
+        parse_gpus("all", environ={})  # no nvidia-smi at all
+    _fake_nvidia_smi(tmp_path, "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-aa)\n"
+                               "  MIG 3g.40gb Device 0: (UUID: MIG-bb)\nGPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-cc)\n")
+    assert parse_gpus("all", environ={}) == ["0", "1"]
+
+
+def test_up_refuses_gpus_it_cannot_use_before_starting_anything(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi: no GPU
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    redis_url = f"redis://127.0.0.1:{free_port()}/0"
+    runner = CliRunner()
+
+    def up(*args: str):
+        return runner.invoke(main, ["up", "--port", str(free_port()), *args], env={"REDIS_URL": redis_url})
+
+    done = up("--gpus", "all")
+    assert done.exit_code == 1 and "--gpus all: no GPU found" in done.output, done.output
+    done = up("--gpus", "0,1", "--workers", "3")
+    assert done.exit_code == 1 and "--workers 3 with --gpus 0,1 (2 GPU(s): 0, 1)" in done.output, done.output
+    done = up("--gpus", "0,x")
+    assert done.exit_code == 1 and "expected `all` or CUDA device indices" in done.output, done.output
+    assert up("--workers", "0").exit_code == 2  # a usage error
+    assert not redis_answers(redis_url) and "mlxq is starting" not in done.output
+
+
+def test_each_worker_gets_its_device_name_prompt_cache_and_budget():
+    env = {"REDIS_URL": "redis://127.0.0.1:6390/0"}
+    cache = "/store/prompt-cache/6390-0"
+    # One worker on the default device: exactly the worker `mlxq up` always started.
+    (lone,) = worker_plans(1, None, "mlxq-h-8000", env, cache)
+    assert (lone.child, lone.argv()) == ("worker", [sys.executable, "-m", "workers.main"])
+    assert lone.env == {**env, "MLXQ_PROMPT_CACHE_DIR": cache}
+
+    gpu0, gpu1 = worker_plans(1, ["0", "1"], "mlxq-h-8000", env, cache)
+    assert [gpu0.child, gpu1.child] == ["worker-gpu0", "worker-gpu1"]
+    assert gpu0.env == {**env, "CUDA_VISIBLE_DEVICES": "0", "MLXQ_PROMPT_CACHE_DIR": f"{cache}-w0"}
+    assert gpu1.env == {**env, "CUDA_VISIBLE_DEVICES": "1", "MLXQ_PROMPT_CACHE_DIR": f"{cache}-w1"}
+    first, again = gpu1.argv(), gpu1.argv()
+    assert first[:3] == [sys.executable, "-m", "workers.main"] and first[3] == "--name"
+    # A name of its own at each start: a restarted worker under its predecessor's name would hide that one's death.
+    assert first[4].startswith("mlxq-h-8000-gpu1-") and again[4].startswith("mlxq-h-8000-gpu1-")
+    assert first[4] != again[4]
+
+    (only,) = worker_plans(1, ["3"], "mlxq-h-8000", env, cache)  # one GPU: its own name, today's cache directory
+    assert only.child == "worker-gpu3" and only.env["MLXQ_PROMPT_CACHE_DIR"] == cache
+    uuids = worker_plans(1, ["GPU-8f1c", "MIG-77aa"], "s", env, cache)
+    assert [(p.child, p.env["CUDA_VISIBLE_DEVICES"]) for p in uuids] == [("worker-gpu0", "GPU-8f1c"),
+                                                                        ("worker-gpu1", "MIG-77aa")]
+
+    shared = worker_plans(3, None, "mlxq-h-8000", env, "", budget_mb=1234)
+    assert [p.child for p in shared] == ["worker-w0", "worker-w1", "worker-w2"]
+    assert all(p.env == {**env, "MLXQ_PROMPT_CACHE_DIR": "", "MLXQ_MEMORY_BUDGET_MB": "1234"} for p in shared)
+    assert shared[2].argv()[4].startswith("mlxq-h-8000-w2-")
+
+
+def test_workers_sharing_a_device_share_the_default_budget():
+    from workers.models import memory_budget_bytes
+    from workers.platform import backend
+
+    one = devstack.default_budget_bytes()
+    assert one == memory_budget_bytes(0, backend())  # the worker's own default, found without MLX in `mlxq up`
+    settings = load_settings(environ={})
+    assert shared_budget_mb(settings, 3, None) == one // 3 // 2**20
+    assert shared_budget_mb(settings, 1, None) is None  # a lone worker keeps its default
+    assert shared_budget_mb(settings, 2, ["0", "1"]) is None  # a GPU each
+    assert shared_budget_mb(settings.with_overrides(memory_budget_mb=900), 2, None) is None  # the operator's, each
+
+
+def test_the_banner_says_how_many_workers_and_where():
+    settings = load_settings(environ={})
+    base, url = "http://127.0.0.1:8000", "redis://127.0.0.1:6379/0"
+    assert "  Workers     1 on the default device\n" in banner(base, url, settings)
+    assert "the worker loads its model first" in banner(base, url, settings)
+    assert "  Workers     2, one per GPU (0, 1)\n" in banner(base, url, settings, 2, ["0", "1"])
+    text = banner(base, url, settings, 3, None, 1234)
+    assert "  Workers     3 on the default device, 1234 MiB of memory budget each\n" in text
+    assert "each worker loads its model first" in text
+
+
+def test_workers_are_restarted_each_on_its_own_under_a_new_command_line(monkeypatch):
+    monkeypatch.setattr(devstack, "RESTART_DELAY_S", 0.01)
+    starts = []
+
+    def argv(tag: str):
+        starts.append(tag)
+        return [sys.executable, "-c", "import time; time.sleep(120)", f"{tag}-{len(starts)}"]
+
+    lines = []
+    stack = Stack(log=lines.append)
+    try:
+        first = stack.start("worker-w0", lambda: argv("w0"))
+        second = stack.start("worker-w1", lambda: argv("w1"))
+        first.kill()
+        first.wait(10)
+        restarted = wait_until(lambda: not stack.supervise(time.monotonic()) and stack.children[0].process,
+                               30, interval=0.02, what="worker-w0 to be restarted")
+        assert restarted.pid != first.pid and restarted.poll() is None
+        assert stack.children[1].process is second and second.poll() is None  # its sibling runs on untouched
+        assert starts == ["w0", "w1", "w0"] and _cmdline(restarted.pid).endswith("w0-3 ")
+        assert f"worker-w0 restarted (pid {restarted.pid})" in lines[-1]
+    finally:
+        stack.stop()
+
+
+def test_two_workers_register_each_with_its_own_name_cache_and_budget(bare_env, tmp_path):
+    """`mlxq up --workers 2` on a CPU: both workers register in the admin API, each under its own name, with its
+    own prompt-cache directory and half the default budget; one killed with -9 comes back under a new name while
+    the other runs on; SIGTERM stops everything."""
+    port = free_port()
+    api = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
+    stem = f"mlxq-{socket.gethostname()}-{port}"
+    everything: set[int] = set()
+    log_path = tmp_path / "up.log"
+    with open(log_path, "wb") as log:
+        up = subprocess.Popen([sys.executable, "-m", "mlxq.cli", "up", "--port", str(port), "--web-workers", "1",
+                               "--workers", "2"], env=bare_env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    try:
+        wait_until(functools.partial(_healthy, api, up), 120, interval=0.2, what="the web tier to answer")
+        listed = wait_until(lambda: _workers(api, up, 2), READY_WITHIN_S, interval=0.2, what="two workers")
+        names = sorted(listed)
+        assert [n.rsplit("-", 1)[0] for n in names] == [f"{stem}-w0", f"{stem}-w1"], names
+        assert {w["pid"] for w in listed.values()} == {p for p in _children(up.pid) if "workers.main" in _cmdline(p)}
+        share = devstack.default_budget_bytes() // 2 // 2**20 * 2**20
+        assert [w["budget_bytes"] for w in listed.values()] == [share, share]
+        cache = tmp_path / "mlxq" / "prompt-cache" / f"{urlsplit(bare_env['REDIS_URL']).port}-0"
+        for i, name in enumerate(names):  # each holds the lock of its own directory (none went without)
+            assert (cache.parent / f"{cache.name}-w{i}" / ".lock").read_text().strip() == str(listed[name]["pid"])
+        assert "  Workers     2 on the default device, " in log_path.read_text()
+        everything.update(_descendants(up.pid))
+
+        w0, w1 = (listed[n] for n in names)
+        os.kill(w0["pid"], signal.SIGKILL)
+        again = wait_until(lambda: (found := _workers(api, up, 2)) and w0["name"] not in found and found,
+                           READY_WITHIN_S, interval=0.2, what="worker-w0 back under a new name")
+        (new_w0,) = [w for n, w in again.items() if n != w1["name"]]
+        assert new_w0["name"].startswith(f"{stem}-w0-") and new_w0["pid"] != w0["pid"]
+        assert again[w1["name"]]["pid"] == w1["pid"]  # its sibling was not restarted
+        assert f"worker-w0 (pid {w0['pid']}) exited with code -9" in log_path.read_text()
+        everything.update(_descendants(up.pid))
+    finally:
+        api.close()
+        if up.poll() is None:
+            up.send_signal(signal.SIGTERM)
+        code = up.wait(60)
+    assert code == 0, log_path.read_text()[-2000:]
+    leftovers = [(pid, _cmdline(pid)) for pid in everything if _alive(pid)]
+    assert not leftovers, leftovers
+
+
+def _workers(api: httpx.Client, up: subprocess.Popen, count: int) -> dict[str, dict] | None:
+    """The live workers the admin API lists, by name, once there are `count` of them (None before)."""
+    assert up.poll() is None, f"mlxq up exited with code {up.returncode}"
+    listed = {w["name"]: w for w in api.get("/v1/admin/workers").json()["data"]}
+    return listed if len(listed) == count else None
 
 
 def test_two_instances_keep_their_own_redis_and_a_killed_worker_is_restarted(bare_env, tmp_path):
