@@ -90,9 +90,12 @@ def test_a_key_over_its_rate_gets_429_with_retry_after_and_the_headers_another_k
 
 def test_the_admin_api_sets_a_keys_queued_limit_and_takes_it_back(tenants):
     admin_http = _http(tenants, ADMIN)
-    put = admin_http.put(f"/v1/admin/limits/{OTHER}", json={"queued": 1})
-    assert put.status_code == 200 and put.json()["key"] == key_id(OTHER), put.text
-    assert admin_http.get(f"/v1/admin/limits/{key_id(OTHER)}").json()["source"] == "admin"
+    shell = ["--url", tenants.base_url, "--admin-key", ADMIN]
+    put = CliRunner().invoke(admin, ["limits", OTHER, "--set", "queued=1", *shell])  # PUT /v1/admin/limits/{key}
+    assert put.exit_code == 0 and json.loads(put.output)["key"] == key_id(OTHER), put.output
+    assert admin_http.get(f"/v1/admin/limits/{key_id(OTHER)}").json() == {
+        "key": key_id(OTHER), "source": "admin", "queued": 1, "requests_per_minute": None, "concurrent": None,
+        "tokens_per_day": None, "audio_seconds_per_day": None}
     assert admin_http.put(f"/v1/admin/limits/{OTHER}", json={"queued": -1}).status_code == 400
     assert admin_http.put(f"/v1/admin/limits/{OTHER}", json={"per_hour": 3}).status_code == 400
     with _http(tenants, OTHER) as http:
@@ -106,8 +109,10 @@ def test_the_admin_api_sets_a_keys_queued_limit_and_takes_it_back(tenants):
                    60, what="the job to end")
         third = http.post("/v1/jobs/chat/completions", json={**job, "max_tokens": 2})  # its place is free again
         assert third.status_code == 202, third.text
-    assert admin_http.delete(f"/v1/admin/limits/{OTHER}").status_code == 200
+    cleared = CliRunner().invoke(admin, ["limits", OTHER, "--clear", *shell])
+    assert cleared.exit_code == 0 and json.loads(cleared.output)["deleted"], cleared.output
     assert admin_http.get(f"/v1/admin/limits/{OTHER}").json()["source"] == "none"
+    assert admin_http.delete(f"/v1/admin/limits/{OTHER}").status_code == 404
     admin_http.close()
 
 
