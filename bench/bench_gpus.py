@@ -66,7 +66,7 @@ from rq.serializers import JSONSerializer
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from bench import bench_concurrency as concurrency  # noqa: E402  (its prompts and sampling workloads)
-from bench.bench_speech import job_text, wav_seconds  # noqa: E402
+from bench.bench_speech import job_text, submit_job, wav_seconds  # noqa: E402
 from bench.common import Proc, cpu_seconds, free_port, percentile, start_redis, wait_http, write_report  # noqa: E402
 from jobs import records  # noqa: E402
 from jobs.queues import fetch_job  # noqa: E402
@@ -435,16 +435,8 @@ def ratio_entry(one: list[dict], every: list[dict]) -> dict:
 
 
 def submit(base: str, path: Path, chunking: str | None) -> str:
-    """POST /v1/jobs/transcriptions (the file streamed from disk); the job's id."""
-    data = {"model": SPEECH, "response_format": "verbose_json"}
-    if chunking:
-        data["chunking_strategy"] = chunking
-    with open(path, "rb") as f:
-        response = httpx.post(base + "/v1/jobs/transcriptions", files={"file": (path.name, f, "audio/wav")},
-                              data=data, timeout=600)
-    if response.status_code != 202:
-        raise RuntimeError(f"submit failed: {response.status_code} {response.text[:300]}")
-    return response.json()["id"]
+    """POST /v1/jobs/transcriptions of the speech model (the file streamed from disk); the job's id."""
+    return submit_job(base, path, chunking, model=SPEECH)
 
 
 def submit_all(base: str, path: Path, count: int, chunking: str | None) -> list[str]:

@@ -299,9 +299,9 @@ def sync_transcribe(base: str, path: Path, chunking: str | None = None) -> str:
     return r.json()["text"]
 
 
-def submit_job(base: str, path: Path, chunking: str | None = None) -> str:
+def submit_job(base: str, path: Path, chunking: str | None = None, model: str = SPEECH_MODEL) -> str:
     """POST /v1/jobs/transcriptions (multipart, streamed from disk); return the job id."""
-    data = {"model": SPEECH_MODEL, "response_format": "verbose_json"}
+    data = {"model": model, "response_format": "verbose_json"}
     if chunking:
         data["chunking_strategy"] = chunking
     with open(path, "rb") as f:

@@ -153,16 +153,20 @@ class Verdict:
     queued: int = 0
 
 
-# Checks a request against its key's limits and, if it is let through, records it (the minute's requests,
-# the ones in flight), in one step. The limits: the admin API's entry (KEYS[1]) for the key, the file's
-# (ARGV[2]), the admin default, the file's default. Replies JSON (Lua numbers would come back as integers).
-_ADMIT = """
+# The limits that apply to a key, as JSON (nil: none): the admin API's entry (KEYS[1]) for the key, the file's
+# (ARGV[2]), the admin default, the file's default (ARGV[3]). The start of both scripts below.
+_RESOLVE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local raw = redis.call('HGET', KEYS[1], ARGV[1])
 if not raw and ARGV[2] ~= '' then raw = ARGV[2] end
 if not raw then raw = redis.call('HGET', KEYS[1], 'default') end
 if not raw and ARGV[3] ~= '' then raw = ARGV[3] end
+"""
+
+# Checks a request against its key's limits and, if it is let through, records it (the minute's requests,
+# the ones in flight), in one step. Replies JSON (Lua numbers would come back as integers).
+_ADMIT = _RESOLVE + """
 if not raw then return cjson.encode({none = true}) end
 local lim = cjson.decode(raw)
 local function limit(name)
@@ -218,13 +222,7 @@ return cjson.encode(out)
 
 # Admits an async job against its key's `queued` limit, adding it to the key's jobs not yet ended (which
 # jobs.lifecycle takes it out of when it ends); entries older than ARGV[5] seconds are dropped (expired jobs).
-_QUEUE = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-local raw = redis.call('HGET', KEYS[1], ARGV[1])
-if not raw and ARGV[2] ~= '' then raw = ARGV[2] end
-if not raw then raw = redis.call('HGET', KEYS[1], 'default') end
-if not raw and ARGV[3] ~= '' then raw = ARGV[3] end
+_QUEUE = _RESOLVE + """
 local lim = raw and cjson.decode(raw) or {}
 local q = lim['queued']
 if q == cjson.null then q = nil end
