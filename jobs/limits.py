@@ -150,7 +150,6 @@ class Verdict:
     requests_left: int | None = None  # of the minute's requests, after this one
     requests_reset_s: float = 0.0  # until the oldest of the minute's requests leaves the window
     used_today: float = 0.0  # tokens or audio seconds, by the request's daily limit
-    queued: int = 0
 
 
 # The limits that apply to a key, as JSON (nil: none): the admin API's entry (KEYS[1]) for the key, the file's
@@ -228,10 +227,10 @@ local q = lim['queued']
 if q == cjson.null then q = nil end
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - tonumber(ARGV[5]))
 local n = redis.call('ZCARD', KEYS[2])
-if q and n >= tonumber(q) then return cjson.encode({refused = 'queued', n = n, limits = raw}) end
+if q and n >= tonumber(q) then return cjson.encode({refused = 'queued', limits = raw}) end
 redis.call('ZADD', KEYS[2], now, ARGV[4])
 redis.call('EXPIRE', KEYS[2], tonumber(ARGV[5]))
-return cjson.encode({n = n + 1, limits = raw})
+return cjson.encode({limits = raw})
 """
 
 
@@ -268,7 +267,7 @@ def admit_queued(conn: redis.Redis, file: dict[str, Limits], owner: str, job_id:
     out = json.loads(script(keys=[keys.KEY_LIMITS, keys.owner_queued(owner)],
                             args=[owner, *_file_args(file, owner), job_id, keep_s]))
     limits = parse_entry(json.loads(out["limits"])) if out.get("limits") else Limits()
-    return Verdict(out.get("refused"), limits, 5.0 if out.get("refused") else 0.0, queued=int(out["n"]))
+    return Verdict(out.get("refused"), limits, 5.0 if out.get("refused") else 0.0)
 
 
 def job_ended(conn, owner: str, job_id: str) -> None:
