@@ -27,8 +27,13 @@ import redis
 
 from jobs import keys, usage
 
-FIELDS = ("requests_per_minute", "concurrent", "queued", "tokens_per_day", "audio_seconds_per_day")
-"""The limits an entry may set (each a number >= 0, or null: no limit)."""
+FIELDS = ("requests_per_minute", "concurrent", "queued", "tokens_per_day", "audio_seconds_per_day", "share")
+"""What an entry may set: the limits (each a number >= 0, or null: no limit) and `share`, the key's weight in the
+worker's fair share (> 0; null: 1): a key of share 3 takes three places for each one of a key of share 1 while
+both have jobs waiting (workers/admission.py `fair_order`)."""
+
+MIN_SHARE, MAX_SHARE = 0.01, 1000.0
+"""The weights a key's `share` may take."""
 
 DEFAULT = "default"
 """The entry that applies to every key without one of its own."""
@@ -56,6 +61,7 @@ class Limits:
     queued: int | None = None
     tokens_per_day: int | None = None
     audio_seconds_per_day: float | None = None
+    share: float | None = None  # the key's weight in fair share (None: 1)
 
     def as_dict(self) -> dict:
         """The limits as JSON-ready data (every field, None where unlimited)."""
@@ -79,7 +85,9 @@ def parse_entry(data, where: str = "limits") -> Limits:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise ValueError(f"{where}.{name}: a number >= 0, or null for no limit")
-        values[name] = float(value) if name == "audio_seconds_per_day" else int(value)
+        if name == "share" and not MIN_SHARE <= value <= MAX_SHARE:
+            raise ValueError(f"{where}.share: a weight from {MIN_SHARE:g} to {MAX_SHARE:g}, or null for 1")
+        values[name] = float(value) if name in ("audio_seconds_per_day", "share") else int(value)
     return Limits(**values)
 
 

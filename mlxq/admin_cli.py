@@ -107,7 +107,8 @@ def usage(start, end, key, as_json, url, admin_key):
 @URL
 @KEY
 def limits(key, settings, clear, url, admin_key):
-    """Per-key limits: all entries, or the ones that apply to KEY (its id, the key itself, or default)."""
+    """Per-key limits and fair-share weight (share): all entries, or what applies to KEY (its id, the key itself, or
+    default)."""
     if key is None:
         if settings or clear:
             raise click.UsageError("--set and --clear need a KEY")
@@ -125,7 +126,8 @@ def limits(key, settings, clear, url, admin_key):
             if not sep:
                 raise click.UsageError(f"--set {item!r}: write NAME=VALUE")
             body[name.strip()] = None if value.strip().lower() in ("", "none", "null") else float(value)
-        body = {n: (int(v) if v is not None and n != "audio_seconds_per_day" else v) for n, v in body.items()}
+        body = {n: (int(v) if v is not None and n not in ("audio_seconds_per_day", "share") else v)
+                for n, v in body.items()}
         answer = _call(url, admin_key, path, body, method="PUT")
     else:
         answer = _call(url, admin_key, path)

@@ -98,7 +98,7 @@ def _owner(name: str) -> str:
 
 
 class LimitsSchema(Schema):
-    """One key's limits: each a number >= 0, or null (no limit); a field left out is null."""
+    """One key's limits: each a number >= 0, or null (no limit), and its fair-share weight; a field left out is null."""
 
     requests_per_minute = fields.Integer(allow_none=True, load_default=None, validate=validate.Range(min=0))
     concurrent = fields.Integer(allow_none=True, load_default=None, validate=validate.Range(min=0),
@@ -108,6 +108,9 @@ class LimitsSchema(Schema):
     tokens_per_day = fields.Integer(allow_none=True, load_default=None, validate=validate.Range(min=0),
                                     metadata={"description": "Prompt + completion tokens per UTC day"})
     audio_seconds_per_day = fields.Float(allow_none=True, load_default=None, validate=validate.Range(min=0))
+    share = fields.Float(allow_none=True, load_default=None,
+                         validate=validate.Range(min=limits.MIN_SHARE, max=limits.MAX_SHARE),
+                         metadata={"description": "The key's weight in the worker's fair share (null: 1)"})
 
 
 class KeyLimitsSchema(LimitsSchema):

@@ -80,6 +80,13 @@ def headers(verdict: limits.Verdict) -> dict[str, str]:
     return found
 
 
+def current_share() -> float | None:
+    """The fair-share weight of the current request's key (jobs/limits.py `share`; None: the default, 1), which its
+    jobs carry to the worker in their meta."""
+    found = getattr(g, "mlxq_limit", None)
+    return found[0].limits.share if found else None
+
+
 def admit_async(svc: Services, owner: str, job_id: str) -> None:
     """Count an async job against its key's `queued` limit, or raise the 429."""
     verdict = limits.admit_queued(svc.redis, svc.key_limits, owner, job_id, svc.settings.result_ttl_s)

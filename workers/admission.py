@@ -11,8 +11,8 @@ when, and whose turn the next piece of work is.
 - **Several workers.** Workers that take from the same queues write how many text requests each holds at
   every look, and a look takes at most an even share of what they all hold and what waits (`_share`).
 - **Fair share.** Within a queue, jobs are taken round robin among the keys that submitted them, the key
-  with the fewest tasks in progress first (`fair_order`): one key's backlog cannot hold another's job
-  back for more than one place.
+  with the fewest tasks in progress per unit of its share first (`fair_order`; a key's `share`, jobs/limits.py,
+  rides in its jobs' meta): one key's backlog cannot hold another's job back for more than one place.
 - **Turns.** Text batches take turns step by step. While text decodes, a solo task still gets a
   piece after every SPEECH_TURN_S of it (so text waits at most one window, and a long transcription
   keeps going), and a text request on a model that cannot batch every other turn; with no text, a
@@ -116,24 +116,27 @@ def interactive_headroom(max_batch: int) -> int:
     return max(1, max_batch // 8)
 
 
-def fair_order(candidates: list[tuple[str, str]], running: Counter[str]) -> list[str]:
-    """Queued job ids (each with its owner, in queue order) in the order to take them: round robin among owners,
-    the owner with the fewest tasks in progress (`running`) first, ties to the one whose next job is older; an
-    owner's own jobs in queue order. One key's backlog then takes one place in turn with every other key's."""
+def fair_order(candidates: list[tuple[str, str, float]], running: Counter[str]) -> list[str]:
+    """Queued job ids (each with its owner and the owner's share, in queue order) in the order to take them: round
+    robin among owners, weighted by their shares: the owner with the fewest tasks in progress (`running`) per unit
+    of share first, ties to the one whose next job is older; an owner's own jobs in queue order. One key's backlog
+    then takes one place in turn with every other key's (a key of share 2, two)."""
     lines: dict[str, deque[tuple[int, str]]] = {}
-    for position, (job_id, owner) in enumerate(candidates):
+    shares: dict[str, float] = {}
+    for position, (job_id, owner, share) in enumerate(candidates):
         lines.setdefault(owner, deque()).append((position, job_id))
+        shares.setdefault(owner, share)
     if len(lines) < 2:
-        return [job_id for job_id, _ in candidates]
-    heap = [(running[owner], line[0][0], owner) for owner, line in lines.items()]
+        return [job_id for job_id, _, _ in candidates]
+    heap = [(running[owner] / shares[owner], line[0][0], owner, running[owner]) for owner, line in lines.items()]
     heapq.heapify(heap)
     order = []
     while heap:
-        count, _, owner = heapq.heappop(heap)
+        _, _, owner, count = heapq.heappop(heap)
         line = lines[owner]
         order.append(line.popleft()[1])
         if line:
-            heapq.heappush(heap, (count + 1, line[0][0], owner))
+            heapq.heappush(heap, ((count + 1) / shares[owner], line[0][0], owner, count + 1))
     return order
 
 
@@ -146,7 +149,7 @@ class Admission:
         self.name = name  # this worker's, under which it shares its load with its peers (None: it does not)
         self._loads_key = keys.worker_loads([q.name for q in queue_list])
         self.wait_s = None if burst else POLL_S  # burst mode never waits for a job
-        self._described: dict[str, tuple[str | None, str]] = {}  # queued job id -> (kind, owner)
+        self._described: dict[str, tuple[str | None, str, float]] = {}  # queued job id -> (kind, owner, share)
         self.headroom = interactive_headroom(floor.max_batch)
         self._next_look = self._next_quick_look = 0.0
         self._text_since_solo = 0.0  # seconds of batch steps since a solo task last had a piece
@@ -191,14 +194,15 @@ class Admission:
         running = self.floor.running_by_owner()
         peeked, peers = self._peek(looked, depths)
         described = {queue.name: [(job_id, *self._describe(job_id, ids)) for job_id in ids] for queue, ids in peeked}
-        share = self._share(peers, sum(kind in TEXT_KINDS for found in described.values() for _, kind, _ in found))
+        allowance = self._share(peers, sum(kind in TEXT_KINDS for found in described.values() for _, kind, _, _ in found))
         for queue, _ in peeked:
             together = []  # text and embeddings, taken together (a burst of chats: two round trips, not two each)
             lane = queues.lane_of(queue.name)
-            texts, embeddings = min(self._text_room(lane), share), self._embedding_room()
-            share -= texts
-            for job_id in fair_order([(job_id, owner) for job_id, _, owner in described[queue.name]], running):
-                kind, owner = self._described[job_id]
+            texts, embeddings = min(self._text_room(lane), allowance), self._embedding_room()
+            allowance -= texts
+            for job_id in fair_order([(job_id, owner, weight) for job_id, _, owner, weight in described[queue.name]],
+                                     running):
+                kind, owner, _ = self._described[job_id]
                 if kind in TEXT_KINDS:
                     if texts > 0:
                         together.append(job_id)
@@ -215,7 +219,7 @@ class Admission:
                         self.floor.begin(job, queue)
                         running[owner] += 1
                         took = True
-            share += texts  # what this queue left of the share, for the next one
+            allowance += texts  # what this queue left of the allowance, for the next one
             claimed = rqjobs.claim_many(queue, together)
             if claimed:
                 self.floor.begin_many(claimed, queue)
@@ -290,13 +294,14 @@ class Admission:
         """A solo task had a piece: text gets SPEECH_TURN_S of steps before its next one."""
         self._text_since_solo = 0.0
 
-    def _describe(self, job_id: str, neighbours: list[str]) -> tuple[str | None, str]:
-        """A queued job's kind (its RQ function name) and owner, fetched once for it and the jobs around it."""
+    def _describe(self, job_id: str, neighbours: list[str]) -> tuple[str | None, str, float]:
+        """A queued job's kind (its RQ function name), owner and the owner's share, fetched once for it and the jobs
+        around it."""
         if job_id not in self._described:
             if len(self._described) > 8192:
                 self._described.clear()
             self._described.update(rqjobs.describe([i for i in neighbours if i not in self._described], self.conn))
-        return self._described.get(job_id, (None, ""))
+        return self._described.get(job_id, (None, "", 1.0))
 
     def _text_room(self, lane: str) -> int:
         """How many more text requests from `lane` may join the batches now (none while one waits for memory).

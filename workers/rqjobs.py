@@ -33,11 +33,12 @@ def take(queues: list[Queue], connection: redis.Redis, wait_s: int | None = None
     return found if found else None
 
 
-def describe(job_ids: list[str], connection: redis.Redis) -> dict[str, tuple[str | None, str]]:
-    """What each job runs (its function name: the request kind) and whose it is (`owner_of`), in one round
-    trip; (None, "") if it is gone."""
+def describe(job_ids: list[str], connection: redis.Redis) -> dict[str, tuple[str | None, str, float]]:
+    """What each job runs (its function name: the request kind), whose it is (`owner_of`) and that key's weight in
+    fair share (its meta's `share`, else 1), in one round trip; (None, "", 1.0) if it is gone."""
     jobs = Job.fetch_many(job_ids, connection=connection, serializer=JSONSerializer)
-    return {job_id: ((job.func_name, owner_of(job)) if job is not None else (None, ""))
+    return {job_id: ((job.func_name, owner_of(job), float((job.meta or {}).get("share") or 1.0))
+                     if job is not None else (None, "", 1.0))
             for job_id, job in zip(job_ids, jobs, strict=True)}
 
 

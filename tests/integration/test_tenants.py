@@ -15,6 +15,8 @@ import openai
 import pytest
 import redis
 from click.testing import CliRunner
+from rq.job import Job
+from rq.serializers import JSONSerializer
 
 from mlxq.admin_cli import admin
 from tests import speech_clips
@@ -91,11 +93,12 @@ def test_a_key_over_its_rate_gets_429_with_retry_after_and_the_headers_another_k
 def test_the_admin_api_sets_a_keys_queued_limit_and_takes_it_back(tenants):
     admin_http = _http(tenants, ADMIN)
     shell = ["--url", tenants.base_url, "--admin-key", ADMIN]
-    put = CliRunner().invoke(admin, ["limits", OTHER, "--set", "queued=1", *shell])  # PUT /v1/admin/limits/{key}
+    put = CliRunner().invoke(admin, ["limits", OTHER, "--set", "queued=1", "--set", "share=2", *shell])  # PUT
     assert put.exit_code == 0 and json.loads(put.output)["key"] == key_id(OTHER), put.output
     assert admin_http.get(f"/v1/admin/limits/{key_id(OTHER)}").json() == {
         "key": key_id(OTHER), "source": "admin", "queued": 1, "requests_per_minute": None, "concurrent": None,
-        "tokens_per_day": None, "audio_seconds_per_day": None}
+        "tokens_per_day": None, "audio_seconds_per_day": None, "share": 2.0}
+    assert admin_http.put(f"/v1/admin/limits/{OTHER}", json={"share": 0}).status_code == 400
     assert admin_http.put(f"/v1/admin/limits/{OTHER}", json={"queued": -1}).status_code == 400
     assert admin_http.put(f"/v1/admin/limits/{OTHER}", json={"per_hour": 3}).status_code == 400
     with _http(tenants, OTHER) as http:
@@ -104,6 +107,10 @@ def test_the_admin_api_sets_a_keys_queued_limit_and_takes_it_back(tenants):
         assert first.status_code == 202, first.text
         second = http.post("/v1/jobs/chat/completions", json=job)
         assert second.status_code == 429 and second.json()["error"]["limit"] == "queued", second.text
+        # The key's weight in fair share rides in its job's meta, for the worker (workers/admission.py).
+        rq_job = Job.fetch(first.json()["id"], connection=redis.Redis.from_url(tenants.redis_url),
+                           serializer=JSONSerializer)
+        assert (rq_job.meta["owner"], rq_job.meta["share"]) == (key_id(OTHER), 2.0)
         http.delete(f"/v1/jobs/{first.json()['id']}")  # (409 if it had ended already)
         wait_until(lambda: http.get(f"/v1/jobs/{first.json()['id']}").json()["status"] in ("canceled", "succeeded"),
                    60, what="the job to end")

@@ -69,13 +69,15 @@ def test_the_admin_apis_entry_wins_over_the_files_and_defaults_come_last(redis_c
 def test_the_file_names_keys_by_id_or_by_the_key_and_says_what_is_wrong(tmp_path):
     path = tmp_path / "limits.json"
     path.write_text(json.dumps({"default": {"queued": 10}, "my-secret-key": {"requests_per_minute": 3},
-                                "0123456789abcdef01234567": {"audio_seconds_per_day": 3600}}))
+                                "0123456789abcdef01234567": {"audio_seconds_per_day": 3600, "share": 3}}))
     found = limits.load_file(str(path))
     assert found[limits.entry_name("my-secret-key")] == Limits(requests_per_minute=3)
-    assert "my-secret-key" not in found and found["0123456789abcdef01234567"].audio_seconds_per_day == 3600.0
+    assert "my-secret-key" not in found and found["0123456789abcdef01234567"] == Limits(audio_seconds_per_day=3600.0,
+                                                                                      share=3.0)
     for bad, says in (({"default": {"per_hour": 1}}, "unknown limit 'per_hour'"),
                       ({"default": {"queued": -1}}, "default.queued: a number >= 0"),
-                      ({"default": {"queued": True}}, "default.queued"), ([1], "an object of entries")):
+                      ({"default": {"queued": True}}, "default.queued"), ([1], "an object of entries"),
+                      ({"default": {"share": 0}}, "default.share: a weight from 0.01 to 1000")):
         path.write_text(json.dumps(bad))
         with pytest.raises(limits.LimitsFileError, match=says):
             limits.load_file(str(path))

@@ -185,15 +185,22 @@ def test_embedding_batches_take_turns_with_text_batches():
 
 
 def test_fair_order_takes_keys_in_turn_the_one_with_least_in_progress_first():
-    queued = [("a1", "A"), ("a2", "A"), ("a3", "A"), ("b1", "B"), ("a4", "A"), ("c1", "C"), ("b2", "B")]
+    queued = [(job_id, job_id[0].upper(), 1.0) for job_id in ("a1", "a2", "a3", "b1", "a4", "c1", "b2")]
     assert admission.fair_order(queued, Counter()) == ["a1", "b1", "c1", "a2", "b2", "a3", "a4"]
     # A has two in progress already: B and C go first, until they have as many.
     assert admission.fair_order(queued, Counter({"A": 2})) == ["b1", "c1", "b2", "a1", "a2", "a3", "a4"]
-    assert admission.fair_order([("x", "A"), ("y", "A")], Counter({"B": 5})) == ["x", "y"]  # one key: queue order
+    assert admission.fair_order([("x", "A", 1.0), ("y", "A", 1.0)], Counter({"B": 5})) == ["x", "y"]  # one key
 
 
-def _owned(conn, settings, queue: str, job_id: str, owner: str) -> None:
-    queues.enqueue(conn, settings, queue, queues.CHAT_COMPLETION, {"id": job_id}, job_id, meta={"owner": owner})
+def test_a_keys_share_weighs_its_turns():
+    queued = [*((f"a{n}", "A", 2.0) for n in range(6)), *((f"b{n}", "B", 1.0) for n in range(6))]
+    taken = admission.fair_order(queued, Counter())[:6]
+    assert [job_id[0] for job_id in taken].count("a") == 4  # share 2 against 1: two places in three
+
+
+def _owned(conn, settings, queue: str, job_id: str, owner: str, share: float | None = None) -> None:
+    meta = {"owner": owner, **({"share": share} if share else {})}
+    queues.enqueue(conn, settings, queue, queues.CHAT_COMPLETION, {"id": job_id}, job_id, meta=meta)
 
 
 def test_another_keys_async_chat_takes_the_next_place_before_one_keys_backlog(redis_conn, settings):
@@ -205,6 +212,16 @@ def test_another_keys_async_chat_takes_the_next_place_before_one_keys_backlog(re
     assert policy.admit()
     assert [job_id for job_id, _ in floor.begun] == ["b0", "a0"]  # two places: B's job first, then A's next
     assert queues.get_queue(queues.BATCH, redis_conn).job_ids == ["a1", "a2", "a3", "a4", "a5"]
+
+
+def test_the_share_in_a_jobs_meta_weighs_its_keys_turns(redis_conn, settings):
+    floor = Floor(max_batch=4, text=[Batch(members=1, lane=queues.BATCH)])  # three places
+    for n in range(3):
+        _owned(redis_conn, settings, queues.BATCH, f"a{n}", "A")
+    for n in range(3):
+        _owned(redis_conn, settings, queues.BATCH, f"b{n}", "B", share=2.0)
+    assert _policy(floor, redis_conn).admit()
+    assert [job_id for job_id, _ in floor.begun] == ["a0", "b0", "b1"]  # B, twice A's share: two of three places
 
 
 def test_async_requests_filling_the_batch_leave_interactive_ones_an_eighth_more():
