@@ -6,6 +6,7 @@ from apispec import BasePlugin
 from flask_smorest import Api
 
 from jobs.settings import Settings
+from web.ratelimit import WORK_PATHS
 from web.response_schemas import ErrorEnvelopeSchema
 
 SERVER_REFUSALS = {
@@ -22,7 +23,7 @@ class MlxqApi(Api):
 
     def __init__(self, app, settings: Settings):
         app.config["API_SPEC_OPTIONS"] = spec_options(settings)
-        super().__init__(app, spec_kwargs={"extra_plugins": [ServerRefusals(), AnthropicErrors()]})
+        super().__init__(app, spec_kwargs={"extra_plugins": [ServerRefusals(), RateLimited(), AnthropicErrors()]})
 
 
 def spec_options(settings: Settings) -> dict:
@@ -48,6 +49,25 @@ class ServerRefusals(BasePlugin):
             responses = operation.setdefault("responses", {})
             for status, description in SERVER_REFUSALS.items():
                 responses.setdefault(status, {"description": description, "content": html})
+
+
+class RateLimited(BasePlugin):
+    """Documents the 429 of the operations that start work, where a key's limits apply (web/ratelimit.py)."""
+
+    def operation_helper(self, path=None, operations=None, **kwargs):
+        """Called by apispec for each path."""
+        operation = (operations or {}).get("post")
+        if path not in WORK_PATHS or operation is None:
+            return
+        operation.setdefault("responses", {})["429"] = {
+            "description": "The key is over one of its limits (MLXQ_KEY_LIMITS, the admin API): `error.limit` names "
+                           "it; requests per minute, requests at once, async jobs queued, tokens or audio seconds "
+                           "of the UTC day",
+            "headers": {"Retry-After": {"description": "Seconds to wait", "schema": {"type": "integer"}},
+                        "x-ratelimit-remaining-requests": {"description": "The minute's requests left",
+                                                           "schema": {"type": "string"}}},
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorEnvelope"}}},
+        }
 
 
 ANTHROPIC_ERROR = {
