@@ -61,17 +61,12 @@ def submit(request: Request, func: str, description: str, queue: str = queues.IN
         queue = queue_for(queue, request.model.id)
         queues.enqueue(svc.redis, svc.settings, queue, func, to_payload(request), request.id,
                        description=description, timeout_s=timeout_s,
-                       meta={"request_id": g.request_id, "owner": caller().owner, **_share(), **(meta or {})})
+                       meta={"request_id": g.request_id, "owner": caller().owner, **ratelimit.share_meta(),
+                             **(meta or {})})
     except BaseException:
         spool.discard(svc.settings.spool_dir, request.id)  # never enqueued: nothing else will remove it
         raise
     return request.id
-
-
-def _share() -> dict:
-    """The caller's fair-share weight for the job's meta, where its key has one (web/ratelimit.py)."""
-    share = ratelimit.current_share()
-    return {} if share is None else {"share": share}
 
 
 def submit_recorded(request: Request, kind: str, fields: dict, func: str, description: str,
@@ -104,7 +99,7 @@ def submit_async(request: Request, kind: str, fields: dict, func: str, descripti
     except Exception:
         limits.job_ended(svc.redis, who.owner, request.id)  # never queued: it does not count
         raise
-    return None if any_worker_live(services()) else NO_WORKER_NOTE
+    return None if any_worker_live(svc) else NO_WORKER_NOTE
 
 
 def _events(svc: Services, job_id: str, deadline: float) -> Iterator[dict]:

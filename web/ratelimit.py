@@ -80,11 +80,12 @@ def headers(verdict: limits.Verdict) -> dict[str, str]:
     return found
 
 
-def current_share() -> float | None:
-    """The fair-share weight of the current request's key (jobs/limits.py `share`; None: the default, 1), which its
-    jobs carry to the worker in their meta."""
+def share_meta() -> dict:
+    """What a job of the current request carries to the worker of its key's fair-share weight (jobs/limits.py
+    `share`): {"share": weight}, or nothing where the key has the default (1)."""
     found = getattr(g, "mlxq_limit", None)
-    return found[0].limits.share if found else None
+    share = found[0].limits.share if found else None
+    return {} if share is None else {"share": share}
 
 
 def admit_async(svc: Services, owner: str, job_id: str) -> None:

@@ -27,13 +27,9 @@ def queue_wait_s(job) -> float | None:
     return None if enqueued is None else max(0.0, time.time() - enqueued)
 
 
-def job_ended(conn: redis.Redis, task, done: dict | None, error: BaseException | None) -> None:
-    """A job ended (`done`: its answer, or `error`): its wait, its duration, what it produced, and its key's usage."""
-    jobs_ended(conn, [(task, done, error)])
-
-
 def jobs_ended(conn: redis.Redis, ended: list[tuple[object, dict | None, BaseException | None]]) -> None:
-    """Several jobs ended at one step (each as `job_ended`), in one round trip."""
+    """Jobs ended at one step (each `done`: its answer, or `error`): their waits, durations, what they produced and
+    their keys' usage, in one round trip."""
     used = [(owner, model, found) for task, done, _ in ended if done is not None
             for owner, model, found in [usage_of(task, done)] if found]
 
@@ -57,7 +53,7 @@ def usage_of(task, done: dict) -> tuple[str, str, dict]:
 
 
 def samples_of_end(task, done: dict | None, error: BaseException | None) -> list:
-    """The samples `job_ended` records for one job."""
+    """The samples `jobs_ended` records for one job."""
     kind = getattr(task.request, "kind", None) or "unknown"
     outcome = "succeeded" if error is None else "canceled" if isinstance(error, Canceled) else "failed"
     samples = [(metrics.JOB_DURATION, (kind, outcome), time.monotonic() - task.started)]
