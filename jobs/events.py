@@ -94,8 +94,12 @@ class EventPublisher:
 
     def publish_pipelined(self, batches: list[tuple[str, list[tuple[str, dict | None]]]]) -> list[bool]:
         """Publish several jobs' events in one round trip; whether each job's cancel flag is set."""
+        return [canceled for _, canceled in self.publish_all(batches)]
+
+    def publish_all(self, batches: list[tuple[str, list[tuple[str, dict | None]]]]) -> list[tuple[int, bool]]:
+        """Publish several jobs' events in one round trip; for each job, what `publish_many` returns."""
         if len(batches) == 1:
-            return [self.publish_many(*batches[0])[1]]
+            return [self.publish_many(*batches[0])]
         calls = [self._keys_and_args(job_id, events) for job_id, events in batches]
         try:
             return self._run_all(calls)
@@ -103,13 +107,13 @@ class EventPublisher:
             self.connection.script_load(_PUBLISH_LUA)
             return self._run_all(calls)
 
-    def _run_all(self, calls: list[tuple[list, list]]) -> list[bool]:
+    def _run_all(self, calls: list[tuple[list, list]]) -> list[tuple[int, bool]]:
         # EVALSHA directly: a pipeline running a registered script first asks SCRIPT EXISTS, one
         # round trip more on every step of a batch.
         with self.connection.pipeline(transaction=False) as pipe:
             for job_keys, args in calls:
                 pipe.evalsha(self._script.sha, len(job_keys), *job_keys, *args)
-            return [bool(canceled) for _, canceled in pipe.execute()]
+            return [(int(last_id), bool(canceled)) for last_id, canceled in pipe.execute()]
 
     def error(self, job_id: str, data: dict) -> int:
         """Publish the terminal error event of a job (data: jobs.errors.error_data's shape)."""

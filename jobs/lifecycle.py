@@ -48,13 +48,31 @@ def end(conn: redis.Redis, settings: Settings, job_id: str, *, result: dict | No
     status = records.SUCCEEDED if error is None else records.status_of_error(error)
     if has_record:
         _record_end(conn, settings, job_id, status, result if result is not None else done, error)
-    checkpoints.discard(conn, job_id)
-    spool.discard(settings.spool_dir, job_id)
     terminal = (DONE, done or {}) if error is None else (ERROR, error)
-    published, _ = publisher_for(conn, settings).publish_many(job_id, [*(before or []), terminal])
-    if not published:  # another party ended it first: the record follows the logged terminal event
-        settle(conn, settings, job_id, force=True)
-    return bool(published)
+    return _close(conn, settings, [(job_id, [*(before or []), terminal])])[0]
+
+
+def end_calls(conn: redis.Redis, settings: Settings, answers: list[tuple[str, dict, list | None]]) -> None:
+    """End several synchronous calls (no record) with their answers, each (job id, `done`, the events `before` it),
+    as `end` does, in two round trips however many: 64 chats ending at one step took two each, one after another,
+    and the last client's answer waited for all of them."""
+    _close(conn, settings, [(job_id, [*(before or []), (DONE, done or {})]) for job_id, done, before in answers])
+
+
+def _close(conn: redis.Redis, settings: Settings, ends: list[tuple[str, list]]) -> list[bool]:
+    """Drop ended jobs' checkpoints and spooled files, then publish each one's last events, its terminal one last
+    (two round trips however many); whether each was published (not when another party had ended it first: its
+    record then follows the logged terminal event)."""
+    if not ends:
+        return []
+    checkpoints.discard_many(conn, [job_id for job_id, _ in ends])
+    for job_id, _ in ends:
+        spool.discard(settings.spool_dir, job_id)
+    published = [bool(last_id) for last_id, _ in publisher_for(conn, settings).publish_all(ends)]
+    for (job_id, _), ok in zip(ends, published, strict=True):
+        if not ok:
+            settle(conn, settings, job_id, force=True)
+    return published
 
 
 def _record_end(conn: redis.Redis, settings: Settings, job_id: str, status: str, result: dict | None,

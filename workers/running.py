@@ -15,7 +15,7 @@ from rq.executions import Execution
 from rq.job import Job
 
 from jobs.contract import Request
-from jobs.lifecycle import JobRun, continue_job
+from jobs.lifecycle import JobRun, continue_job, end_calls
 from workers import rqjobs, worker_metrics
 from workers.backends.base import Backend, Outcome
 
@@ -48,6 +48,24 @@ def tell(task: Task, result: Outcome | BaseException) -> dict | None:
         task.run.finish(result.done, result.result, result.before)
         return None
     return task.run.fail(result)
+
+
+def tell_many(ended: list[tuple[Task, Outcome | BaseException]]) -> Iterator[tuple[Task, Outcome | BaseException,
+                                                                                 dict | None]]:
+    """`tell` each task's end, yielding it with its result and what `tell` returned (for `record_many`) as it is told;
+    the answers of synchronous calls all in one go (jobs.lifecycle.end_calls: one after another, 64 chats ending at
+    one step made the last of them wait ~0.1 s on a GPU)."""
+    calls = [(task, result) for task, result in ended if isinstance(result, Outcome) and not task.run.has_record]
+    if calls:
+        run = calls[0][0].run
+        end_calls(run.conn, run.settings, [(task.run.job_id, result.done, result.before) for task, result in calls])
+        for task, result in calls:
+            task.run.ended = True
+            yield task, result, None
+    answered = {id(task) for task, _ in calls}
+    for task, result in ended:
+        if id(task) not in answered:
+            yield task, result, tell(task, result)
 
 
 def record_many(told: list[tuple[Task, Outcome | BaseException, dict | None]]) -> None:

@@ -42,7 +42,7 @@ from workers.backends.embeddings import PASS_TOKENS_CPU, PASS_TOKENS_GPU, Embedd
 from workers.backends.prompt_cache import PromptCache
 from workers.backends.textbatch import TextBatch, batchable
 from workers.models import batch_key
-from workers.running import Task, hand_back, record_many, resumable, tell
+from workers.running import Task, hand_back, record_many, resumable, tell_many
 
 log = logging.getLogger(__name__)
 
@@ -346,8 +346,8 @@ class Scheduler:
         ending together would otherwise each wait for the RQ bookkeeping of those before them)."""
         told = []
         try:
-            for task, result in ended:
-                told.append((task, result, tell(task, result)))
+            for item in tell_many(ended):
+                told.append(item)
         finally:  # those told before Redis went away are recorded too (or the outage's handling ends them)
             if told:
                 record_many(told)  # in two round trips, however many

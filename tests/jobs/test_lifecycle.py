@@ -47,6 +47,24 @@ def test_whoever_ends_a_job_second_finds_the_record_matching_the_first_end(redis
     assert [e["type"] for e in read_log(redis_conn, "job-race")] == [ERROR]
 
 
+def test_synchronous_calls_ending_together_each_get_their_events_then_their_answer(redis_conn, settings):
+    from jobs.events import DELTA
+
+    redis_conn.hset(keys.checkpoint_key("call-a"), "state", "{}")
+    # call-c was ended first by someone else (its client gone: a reader found its worker dead): it keeps that end.
+    lifecycle.end(redis_conn, settings, "call-c", error={"message": "died", "code": "worker_died", "status": 500},
+                  has_record=False)
+    lifecycle.end_calls(redis_conn, settings, [
+        ("call-a", {"choices": ["a"]}, [(DELTA, {"text": "x"}), (DELTA, {"text": "y"})]),
+        ("call-b", {"choices": ["b"]}, None),
+        ("call-c", {"choices": ["c"]}, [(DELTA, {"text": "late"})])])
+    assert [(e["type"], e["data"]) for e in read_log(redis_conn, "call-a")] == [
+        (DELTA, {"text": "x"}), (DELTA, {"text": "y"}), (DONE, {"choices": ["a"]})]
+    assert [(e["type"], e["data"]) for e in read_log(redis_conn, "call-b")] == [(DONE, {"choices": ["b"]})]
+    assert [e["type"] for e in read_log(redis_conn, "call-c")] == [ERROR]
+    assert not redis_conn.exists(keys.checkpoint_key("call-a"))
+
+
 def test_settle_records_an_outcome_a_reader_published(redis_conn, settings):
     _async_job(redis_conn, settings, "job-s")
     assert not lifecycle.settle(redis_conn, settings, "job-s")  # nothing happened yet

@@ -247,6 +247,30 @@ def test_a_shared_prefix_is_served_from_the_prompt_cache_with_the_same_text(redi
     assert texts(cached) == texts(alone(second))
 
 
+def test_a_burst_that_shares_a_cached_system_prompt_copies_it_once_per_layer(redis_conn, settings, worker_parts,
+                                                                             alone, monkeypatch):
+    from workers.backends import prefill
+
+    run = scheduler(redis_conn, settings, worker_parts)
+    first = chat(settings, QUESTIONS[0], max_tokens=4)
+    submit(redis_conn, settings, first)
+    run.run()  # its cache is kept: the burst's prompts resume from its system prompt
+    passes = []
+    merge = prefill.merge_rows
+    monkeypatch.setattr(prefill, "merge_rows", lambda layers, sources: passes.append(sources) or merge(layers, sources))
+    burst = [chat(settings, question, max_tokens=4) for question in QUESTIONS[1:4]]
+    for request in burst:
+        submit(redis_conn, settings, request)
+    run.run()
+    monkeypatch.undo()
+    sources = passes[0]  # the first layer's: every prompt of the pass resumes from the one kept entry
+    assert len(sources) == 3 and sources[0] is not None and len(set(sources)) == 1
+    for request in burst:
+        data = done(redis_conn, request.id)
+        assert data["usage"]["prompt_tokens_details"]["cached_tokens"] > 10
+        assert texts(data) == texts(alone(request))
+
+
 def test_completions_with_several_prompts_and_n(redis_conn, settings, worker_parts):
     request = contract.TextRequest(f"cmpl-{uuid.uuid4().hex}", ref(settings), contract.Sampling(max_tokens=4),
                                    prompts=["The sky is", "One, two,"], n=2)

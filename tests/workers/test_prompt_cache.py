@@ -49,3 +49,38 @@ def test_a_hit_resumes_as_a_fresh_prefill_would_and_leaves_the_entry_as_it_was(m
         # Feeding the request's tokens made buffers of its own: the kept entry is untouched.
         for before, layer in zip(entry, cache._trie.get("m", kept).prompt_cache, strict=True):
             np.testing.assert_array_equal(before, np.array(layer.keys[..., :64, :]), err_msg=case)
+
+
+def test_prompts_resuming_from_one_entry_merge_as_mlx_lm_merges_them_row_by_row(monkeypatch):
+    from mlx_lm.models.cache import BatchKVCache, KVCache
+
+    from workers.backends.prefill import Prompt, merge_rows, prefix_source
+    from workers.backends.prompt_cache import _prefix
+
+    def entry(seed: int, length: int = 12) -> KVCache:
+        cache = KVCache()
+        cache.keys = mx.random.normal((1, 2, length, 4), key=mx.random.key(seed))
+        cache.values = mx.random.normal((1, 2, length, 4), key=mx.random.key(seed + 1))
+        cache.offset = length
+        return cache
+
+    a, b = entry(1), entry(3)
+    trimmed = _prefix(a, 7)
+    trim_prompt_cache([trimmed], 1)  # a whole prompt cached: its last token is fed again (textbatch's _prompt)
+    # Runs of one entry to one length, an empty cache, one trimmed view, another entry, and a cache written since.
+    written = _prefix(a, 5)
+    written.update_and_fetch(mx.ones((1, 2, 1, 4)), mx.ones((1, 2, 1, 4)))
+    rows = [_prefix(a, 9), _prefix(a, 9), _prefix(a, 9), KVCache(), KVCache(), trimmed, _prefix(b, 9), written,
+            _prefix(a, 4), _prefix(a, 4)]
+    # As feed_together finds them (workers/backends/prefill.py's prefix_source: the entry viewed, untouched).
+    sources = [prefix_source(Prompt(None, [], [row], [], [1], 0)) for row in rows]
+    assert sources.count(id(a.keys)) == 6 and sources[7] is None
+    expected = BatchKVCache.merge(rows)
+    got = merge_rows(rows, sources)
+    for name in ("keys", "values", "offset", "left_padding"):
+        np.testing.assert_array_equal(np.array(getattr(got, name)), np.array(getattr(expected, name)), err_msg=name)
+    assert got._idx == expected._idx
+    # One entry for every row: copied as one, never row by row.
+    monkeypatch.setattr(BatchKVCache, "merge", lambda *a: pytest.fail("merged row by row"))
+    same = merge_rows([_prefix(b, 9) for _ in range(5)], [id(b.keys)] * 5)
+    np.testing.assert_array_equal(np.array(same.keys), np.broadcast_to(np.array(b.keys[..., :9, :]), (5, 2, 9, 4)))

@@ -200,7 +200,8 @@ def feed_together(model, prompts: list[Prompt]) -> mx.array:
     parts = [prompt.rest for prompt in prompts]
     width = max(len(part) for part in parts)
     padding = [width - len(part) for part in parts]
-    cache = [type(layer[0]).merge(list(layer)) for layer in zip(*(prompt.cache for prompt in prompts), strict=True)]
+    sources = [prefix_source(prompt) for prompt in prompts]
+    cache = [merge_rows(list(layer), sources) for layer in zip(*(prompt.cache for prompt in prompts), strict=True)]
     if any(padding):
         for layer in cache:
             layer.prepare(lengths=[len(part) for part in parts], right_padding=padding)
@@ -230,6 +231,63 @@ def feed_together(model, prompts: list[Prompt]) -> mx.array:
     mx.eval(logits, [[layer.keys, layer.values, layer.offset, layer.left_padding] for layer in cache] if whole
             else [c.state for prompt in prompts for c in prompt.cache])
     return logits
+
+
+def prefix_source(prompt: Prompt) -> int | None:
+    """The prompt-cache entry a prompt resumes from, while its cache only views that entry's first tokens (nothing
+    processed into it yet: workers/backends/prompt_cache.py), as an id; else None. Prompts passed together are
+    ordered by it, so that those resuming from one entry sit side by side for `merge_rows`."""
+    cache = prompt.cache[0] if prompt.cache and not prompt.turns else None
+    shares = getattr(cache, "shares", None)
+    return id(shares[0]) if shares is not None and type(cache) is KVCache and cache.keys is shares[1] else None
+
+
+def merge_rows(layers: list, sources: list[int | None]) -> BatchKVCache | BatchQuantizedKVCache:
+    """One layer of a pass's prompts as a batch cache, aligned at their ends (mlx-lm's `merge`), with consecutive
+    rows that resume from the same prompt-cache entry (`sources`, from `prefix_source`) to the same length copied in
+    one operation: merged row by row, a burst of 63 chats sharing a system prompt queued 2,016 small copies on a
+    16-layer model, each a kernel launch on a host-bound GPU."""
+    if not all(type(c) is KVCache for c in layers):
+        return type(layers[0]).merge(layers)
+    lengths = [c.size() for c in layers]
+    longest = max(lengths)
+    runs: list[list[int]] = []  # consecutive rows of one source: an entry to a length, or nothing cached
+    previous = None
+    for i, source in enumerate(sources):
+        source = "empty" if not lengths[i] else (source, lengths[i]) if source is not None else ("own", i)
+        if runs and source == previous:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+        previous = source
+    if longest == 0 or len(runs) == len(layers):  # nothing to share: mlx-lm's merge does the same work
+        return BatchKVCache.merge(layers)
+    some = next(c for c in layers if c.keys is not None)
+    _, heads, _, key_dim = some.keys.shape
+    value_dim, dtype = some.values.shape[3], some.keys.dtype
+    keys, values = [], []
+    for run in runs:
+        c, n, length = layers[run[0]], len(run), lengths[run[0]]
+        if not length:
+            keys.append(mx.zeros((n, heads, longest, key_dim), dtype))
+            values.append(mx.zeros((n, heads, longest, value_dim), dtype))
+            continue
+        k, v = c.keys[..., :length, :], c.values[..., :length, :]
+        if n > 1:
+            k, v = mx.broadcast_to(k, (n, *k.shape[1:])), mx.broadcast_to(v, (n, *v.shape[1:]))
+        if length < longest:
+            k = mx.pad(k, [(0, 0), (0, 0), (longest - length, 0), (0, 0)])
+            v = mx.pad(v, [(0, 0), (0, 0), (longest - length, 0), (0, 0)])
+        keys.append(k)
+        values.append(v)
+    merged = BatchKVCache([longest - length for length in lengths])
+    if len(runs) == 1:  # one source for all: its rows as an array of their own (a broadcast view is not)
+        merged.keys, merged.values = mx.contiguous(keys[0]), mx.contiguous(values[0])
+    else:
+        merged.keys, merged.values = mx.concatenate(keys), mx.concatenate(values)
+    merged.offset += longest
+    merged._idx = longest
+    return merged
 
 
 def _embeddings(model, prompts: list[Prompt], parts: list[list[int]], padding: list[int]) -> dict:

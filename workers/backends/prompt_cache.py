@@ -66,5 +66,8 @@ def _prefix(cache: KVCache | QuantizedCache, length: int) -> KVCache | Quantized
         view = KVCache()
         view.keys = cache.keys[..., :length, :]
         view.values = cache.values[..., :length, :]
+        # Which entry it is a view of: the rows of a prompt pass that resume from one entry to one length (a burst
+        # of chats sharing a system prompt) are merged as one (workers/backends/prefill.py's `merge_rows`).
+        view.shares = (cache.keys, view.keys)
     view.offset = length
     return view
