@@ -19,6 +19,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.tuner.utils import load_adapters
 
+from workers.backends import fused
+
 log = logging.getLogger(__name__)
 
 
@@ -56,8 +58,9 @@ def apply(name: str, base_model, adapter_dir: str) -> Adapted:
     ValueError (mlx-lm's) when the adapter does not fit the model."""
     started = time.perf_counter()
     model, shared = share_copy(base_model)
+    views = fused.unfuse(model)  # mlx-lm's LoRA layers go on its own projections (views of the joined weights)
     load_adapters(model, adapter_dir)  # mlx-lm's: its LoRA layers, its checks, the adapter's weights
-    own = [v for _, v in tree_flatten(model.parameters()) if id(v) not in shared]
+    own = [v for _, v in tree_flatten(model.parameters()) if id(v) not in shared and id(v) not in views]
     mx.eval(own)
     adapted = Adapted(name, model, sum(v.nbytes for v in own), time.perf_counter() - started)
     log.info("applied adapter %s in %.3fs: %.2f MiB of its own", name, adapted.load_s, adapted.nbytes / 2**20)

@@ -47,3 +47,14 @@ def whisper_model(text_worker_parts, whisper_ref):
     """Whisper tiny.en resident in the session's model manager, beside the demo text model as in a worker:
     loaded once for every speech module (test_speech and the modules that take its fixtures), not per module."""
     return text_worker_parts[0].load(whisper_ref).model
+
+
+@pytest.fixture(scope="module")
+def pirate(models_dir, tmp_path_factory):
+    """The demo adapter (from pull-demo's build cache: trained there the first time) in a temporary store."""
+    from jobs.contract import AdapterRef
+    from workers.demo.pull import pull_demo_adapter
+
+    settings = load_settings({"models_dir": models_dir, "adapters_dir": tmp_path_factory.mktemp("adapters")})
+    info = pull_demo_adapter(settings, print)
+    return AdapterRef(info.name, str(info.path), info.base)

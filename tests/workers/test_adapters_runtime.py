@@ -5,20 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from jobs.contract import AdapterRef, ModelRef
+from jobs.contract import ModelRef
 from jobs.errors import JobError
 from jobs.settings import load_settings
 from jobs.store import resolve
-
-
-@pytest.fixture(scope="module")
-def pirate(models_dir, tmp_path_factory) -> AdapterRef:
-    """The demo adapter (from pull-demo's build cache: trained there the first time) in a temporary store."""
-    from workers.demo.pull import pull_demo_adapter
-
-    settings = load_settings({"models_dir": models_dir, "adapters_dir": tmp_path_factory.mktemp("adapters")})
-    info = pull_demo_adapter(settings, print)
-    return AdapterRef(info.name, str(info.path), info.base)
 
 
 @pytest.fixture()

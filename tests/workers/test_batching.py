@@ -271,6 +271,33 @@ def test_a_burst_that_shares_a_cached_system_prompt_copies_it_once_per_layer(red
         assert texts(data) == texts(alone(request))
 
 
+def test_a_burst_resuming_from_several_entries_shares_what_they_have_in_common(redis_conn, settings, worker_parts,
+                                                                              alone, monkeypatch):
+    from workers.backends import prefill
+
+    monkeypatch.setitem(prefill.SHARE_TAIL, "cpu", 32)  # a GPU's: a few cached tokens are processed again
+    run = scheduler(redis_conn, settings, worker_parts)
+    for question in ("What is the capital of France?", "Name three colours."):
+        submit(redis_conn, settings, chat(settings, question, max_tokens=4))
+        run.run()  # two kept entries: each prompt below has the most in common with one of them
+    passes = []
+    merge = prefill.merge_rows
+    monkeypatch.setattr(prefill, "merge_rows", lambda layers, sources: passes.append((sources, [c.size() for c in layers]))
+                        or merge(layers, sources))
+    burst = [chat(settings, question, max_tokens=4) for question in
+             ("What is the capital of Spain?", "Name three animals.", "What is the capital of Peru?")]
+    for request in burst:
+        submit(redis_conn, settings, request)
+    run.run()
+    sources, lengths = passes[0]
+    # One entry, to what the three prompts share (the chat template's start), for every row.
+    assert sources[0] is not None and len(set(sources)) == 1 and len(set(lengths)) == 1
+    for request in burst:
+        data = done(redis_conn, request.id)
+        assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == lengths[0]
+        assert texts(data) == texts(alone(request))
+
+
 def test_completions_with_several_prompts_and_n(redis_conn, settings, worker_parts):
     request = contract.TextRequest(f"cmpl-{uuid.uuid4().hex}", ref(settings), contract.Sampling(max_tokens=4),
                                    prompts=["The sky is", "One, two,"], n=2)

@@ -19,6 +19,7 @@ entry holds the shared start, so the first one found serves.
 
 from __future__ import annotations
 
+import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.cache import KVCache, LRUPromptCache
 
@@ -59,15 +60,20 @@ class PromptCache(LRUPromptCache):
 
 def _prefix(cache: KVCache | QuantizedCache, length: int) -> KVCache | QuantizedCache:
     """A cache holding the first `length` tokens of `cache`, sharing its buffers."""
-    if type(cache) is QuantizedCache:
-        view = QuantizedCache(group_size=cache.group_size, bits=cache.bits)
-        view.keys, view.values = tree_map(lambda x: x[..., :length, :], (tuple(cache.keys), tuple(cache.values)))
-    else:
-        view = KVCache()
-        view.keys = cache.keys[..., :length, :]
-        view.values = cache.values[..., :length, :]
-        # Which entry it is a view of: the rows of a prompt pass that resume from one entry to one length (a burst
-        # of chats sharing a system prompt) are merged as one (workers/backends/prefill.py's `merge_rows`).
-        view.shares = (cache.keys, view.keys)
+    if type(cache) is not QuantizedCache:
+        return entry_view(cache.keys, cache.values, length)
+    view = QuantizedCache(group_size=cache.group_size, bits=cache.bits)
+    view.keys, view.values = tree_map(lambda x: x[..., :length, :], (tuple(cache.keys), tuple(cache.values)))
     view.offset = length
+    return view
+
+
+def entry_view(keys: mx.array, values: mx.array, length: int) -> KVCache:
+    """A plain cache holding the first `length` tokens of an entry's keys and values, sharing their buffers. It
+    says which entry it views (`shares`): the prompts of one pass that resume from one entry to one length (a
+    burst of chats sharing a system prompt) are merged as one (workers/backends/prefill.py's `merge_rows`)."""
+    view = KVCache()
+    view.keys, view.values = keys[..., :length, :], values[..., :length, :]
+    view.offset = length
+    view.shares = (keys, values, view.keys)
     return view

@@ -8,17 +8,22 @@ cancel stops generation at the next delta; a job canceled while it waited stops 
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import mlx.core as mx
+
 from jobs.contract import Choice, TextRequest, TextResult
 from jobs.events import DELTA, REASONING
-from workers.backends import quantized_kv, reasoning, textgen, toolcalls
+from workers.backends import fused, quantized_kv, reasoning, textgen, toolcalls
 from workers.backends.base import Outcome
 from workers.backends.reasoning import Thoughts
 from workers.backends.toolcalls import ToolCalls
+
+log = logging.getLogger(__name__)
 
 
 class TextBackend:
@@ -28,8 +33,12 @@ class TextBackend:
     resumable = False
 
     def load(self, path: Path, float32: bool):
-        """Load an mlx-lm model and its tokenizer."""
-        return textgen.load(path, float32)
+        """Load an mlx-lm model and its tokenizer; on a GPU, with its layers' projections joined (fused.py)."""
+        model, tokenizer = textgen.load(path, float32)
+        if mx.default_device() == mx.gpu:
+            joined = fused.fuse_projections(model)
+            log.info("%s: %d groups of projections joined", path.name, joined)
+        return model, tokenizer
 
     def run(self, request: TextRequest, job, models) -> Iterator[Outcome | None]:
         """Generate one choice per input, publishing deltas; end with the usage-counted answer."""

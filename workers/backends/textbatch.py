@@ -372,10 +372,13 @@ class TextBatch:
     def _together(self, whole: list[Prompt]) -> list[Prompt]:
         """The prompts of a turn to process in one pass: those that fit MERGE_BYTES once their cached
         prefixes are padded to the longest (shortest prefixes first); none if only one does."""
-        whole = sorted(whole, key=lambda p: (len(p.fed), prefill.prefix_source(p) or 0))
+        whole = sorted(whole, key=lambda p: len(p.fed))
         for n in range(len(whole), 1, -1):
             if n * max(len(p.fed) + p.left for p in whole[:n]) * self.kv_per_token <= MERGE_BYTES:
-                return whole[:n]
+                chosen = whole[:n]
+                prefill.share_prefixes(chosen)
+                # Those resuming from one entry side by side: merge_rows copies each such run once per layer.
+                return sorted(chosen, key=lambda p: (len(p.fed), prefill.prefix_source(p) or 0))
         return []
 
     def _decode(self) -> float:
