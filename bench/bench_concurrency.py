@@ -57,6 +57,7 @@ from bench.bench_text import (  # noqa: E402
     start_mlxq,
 )
 from bench.common import KeepAliveClient, cpu_seconds, percentile, start_redis, write_report  # noqa: E402
+from mlxq.cli import default_web_workers  # noqa: E402
 
 TOPICS = ["a lighthouse", "a dragon", "the sea", "a city at night", "an old map", "a garden", "a river", "a train"]
 WORKLOADS = ("greedy", "sampled", "mixed")
@@ -381,7 +382,8 @@ def parse_args() -> argparse.Namespace:
                         help="after each N's rounds, two more (unmeasured) on mlxq per workload with py-spy on its worker")
     parser.add_argument("--profile-idle", action="store_true",
                         help="with --profile, keep idle samples too (a thread waiting for Redis, the GIL or the device)")
-    parser.add_argument("--web-workers", type=int, default=2, help="mlxq's gunicorn processes (`mlxq up`'s default: 2)")
+    parser.add_argument("--web-workers", type=int, default=default_web_workers(),
+                        help="mlxq's gunicorn processes (default: `mlxq up`'s, half the cores, 2 to 8)")
     parser.add_argument("--repeat-prompts", action="store_true",
                         help="the same prompts every round (prompt-cache hits after the first); default: new ones each round")
     parser.add_argument("--out", type=Path)

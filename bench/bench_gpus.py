@@ -70,7 +70,7 @@ from bench.bench_speech import job_text, submit_job, wav_seconds  # noqa: E402
 from bench.common import Proc, cpu_seconds, free_port, percentile, start_redis, wait_http, write_report  # noqa: E402
 from jobs import records  # noqa: E402
 from jobs.queues import fetch_job  # noqa: E402
-from mlxq.cli import gunicorn_argv  # noqa: E402
+from mlxq.cli import default_web_workers, gunicorn_argv  # noqa: E402
 from tests.long_audio import build  # noqa: E402
 
 TEXT, SPEECH = "bench", "speech"
@@ -806,7 +806,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--workloads", default=",".join(concurrency.WORKLOADS), help="any of greedy,sampled,mixed")
     parser.add_argument("--temperature", type=float, default=0.7, help="the sampled workload's temperature")
-    parser.add_argument("--web-workers", type=int, default=2, help="gunicorn processes (`mlxq up`'s default: 2)")
+    parser.add_argument("--web-workers", type=int, default=default_web_workers(),
+                        help="gunicorn processes (default: `mlxq up`'s, half the cores, 2 to 8)")
     parser.add_argument("--audio-minutes", type=float, default=30)
     parser.add_argument("--jobs", type=int, default=8, help="transcriptions at once (transcriptions)")
     parser.add_argument("--kill-jobs", type=int, default=None, help="transcriptions in the kill (default: --jobs)")

@@ -39,7 +39,7 @@ from bench.common import (  # noqa: E402
     wait_http,
     write_report,
 )
-from mlxq.cli import gunicorn_argv  # noqa: E402
+from mlxq.cli import default_web_workers, gunicorn_argv  # noqa: E402
 
 PROMPT = [{"role": "user", "content": "Write a long story about a lighthouse keeper and the sea."}]
 WARMUP = 3
@@ -179,8 +179,8 @@ class HTTPServer:
 
 
 def start_mlxq(model_dir: Path, redis_url: str, name: str = "mlxq", env_extra: dict | None = None,
-               worker_env: dict | None = None, web_workers: int = 2) -> HTTPServer:
-    """Start the worker and gunicorn (gevent, `web_workers` processes: `mlxq up`'s default) on the model;
+               worker_env: dict | None = None, web_workers: int | None = None) -> HTTPServer:
+    """Start the worker and gunicorn (gevent, `web_workers` processes, by default `mlxq up`'s) on the model;
     return once /ready answers.
 
     `env_extra` goes to both processes, `worker_env` to the worker only.
@@ -191,7 +191,8 @@ def start_mlxq(model_dir: Path, redis_url: str, name: str = "mlxq", env_extra: d
     env = {**os.environ, "REDIS_URL": redis_url, "MLXQ_MODELS_DIR": str(models_dir), "MLXQ_DEFAULT_MODEL": "bench",
            "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env_extra or {})}
     worker = Proc([sys.executable, "-m", "workers.main"], {**env, **(worker_env or {})}, f"{name}-worker").start()
-    web = Proc(gunicorn_argv("127.0.0.1", port, workers=web_workers), env, f"{name}-web").start()
+    web = Proc(gunicorn_argv("127.0.0.1", port, workers=web_workers or default_web_workers()), env,
+               f"{name}-web").start()
     base = f"http://127.0.0.1:{port}"
     wait_http(base + "/ready", 300)
     return HTTPServer(name, base, "bench", [worker, web])

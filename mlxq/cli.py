@@ -23,6 +23,14 @@ def main():
     """mlxq: MLX models behind an OpenAI-compatible API, with a Redis job queue in the middle."""
 
 
+def default_web_workers() -> int:
+    """gunicorn processes by default: half the machine's cores, 2 to 8. A burst of 64 streamed chats reached the
+    queue over ~90 ms through 2 (each call's validation and enqueue is one process's Python) and over ~35 ms through
+    8 on a 16-core GPU host (H200, 2026-11-28, bench/device/ramp_probe.py: its time to first token 0.18-0.21 s
+    against 0.12-0.14 s); a 2-core machine keeps 2, which leave the worker its core."""
+    return min(8, max(2, (os.cpu_count() or 2) // 2))
+
+
 def gunicorn_argv(host: str, port: int, workers: int) -> list[str]:
     """The gunicorn command line that runs the web tier with gevent workers."""
     return [sys.executable, "-m", "gunicorn", "--worker-class", "gevent", "--workers", str(workers),
@@ -34,10 +42,11 @@ def gunicorn_argv(host: str, port: int, workers: int) -> list[str]:
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=int)
-@click.option("--workers", default=2, show_default=True, type=int, help="gunicorn worker processes")
+@click.option("--workers", default=None, type=click.IntRange(min=1),
+              help="gunicorn worker processes (default: half the cores, 2 to 8)")
 def serve(host, port, workers):
     """Run the web tier (gunicorn with gevent workers)."""
-    argv = gunicorn_argv(host, port, workers)
+    argv = gunicorn_argv(host, port, workers or default_web_workers())
     os.execv(argv[0], argv)
 
 
@@ -72,7 +81,8 @@ def webhook_worker_argv(redis_url: str) -> list[str]:
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True, type=int, help="The API's port (`make run PORT=...`).")
-@click.option("--web-workers", default=2, show_default=True, type=int)
+@click.option("--web-workers", default=None, type=click.IntRange(min=1),
+              help="gunicorn worker processes (default: half the cores, 2 to 8)")
 @click.option("--workers", "worker_count", default=None, type=click.IntRange(min=1),
               help="MLX workers on the default device, each with its own copy of the models (default 1; with "
               "--gpus, one per GPU).")
@@ -100,7 +110,7 @@ def up(host, port, web_workers, worker_count, gpus):
     for plan in plans:
         stack.start(plan.child, plan.argv, plan.env)
     stack.start("webhooks", webhook_worker_argv(redis_url), env)
-    stack.start("web", gunicorn_argv(host, port, web_workers), env)
+    stack.start("web", gunicorn_argv(host, port, web_workers or default_web_workers()), env)
     click.echo(banner(f"http://{host}:{port}", redis_url, settings, count, devices, budget_mb))
     sys.exit(stack.wait())
 

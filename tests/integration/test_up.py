@@ -22,7 +22,7 @@ from click.testing import CliRunner
 
 from jobs.settings import load_settings
 from mlxq import devstack
-from mlxq.cli import banner, main, shared_budget_mb
+from mlxq.cli import banner, default_web_workers, main, shared_budget_mb
 from mlxq.devstack import LOCK_NAME, Stack, free_port, lock_data_dir, parse_gpus, redis_answers, worker_plans
 from tests.conftest import REPO, wait_until
 
@@ -245,6 +245,12 @@ def test_workers_sharing_a_device_share_the_default_budget():
     assert shared_budget_mb(settings, 1, None) is None  # a lone worker keeps its default
     assert shared_budget_mb(settings, 2, ["0", "1"]) is None  # a GPU each
     assert shared_budget_mb(settings.with_overrides(memory_budget_mb=900), 2, None) is None  # the operator's, each
+
+
+def test_the_web_tier_takes_half_the_cores_from_two_to_eight(monkeypatch):
+    for cores, expected in ((None, 2), (1, 2), (2, 2), (6, 3), (16, 8), (128, 8)):
+        monkeypatch.setattr(os, "cpu_count", lambda cores=cores: cores)
+        assert default_web_workers() == expected, cores
 
 
 def test_the_banner_says_how_many_workers_and_where():
