@@ -13,6 +13,7 @@ from jobs.settings import load_settings
 from mlxq.adapters_cli import adapters
 from mlxq.admin_cli import admin
 from mlxq.chat_cli import chat
+from mlxq.embed_cli import embed
 from mlxq.models_cli import models
 from mlxq.transcribe_cli import transcribe
 
@@ -188,6 +189,7 @@ main.add_command(models)
 main.add_command(adapters)
 main.add_command(transcribe)
 main.add_command(chat)
+main.add_command(embed)
 main.add_command(admin)
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -143,3 +144,32 @@ def test_an_async_embeddings_job_gives_its_list_and_a_npy_file_of_its_vectors(ap
     assert record["kind"] == "embedding" and record["metadata"] == {"batch": "7"} and record["result"]["object"] == "list"
     wrong = api.get(job["links"]["result"], params={"format": "srt"})
     assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "format"
+
+
+def test_the_cli_prints_or_saves_the_vectors_the_api_gives(service, openai_client, model_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from mlxq.cli import main
+
+    texts = [*PARAPHRASES, UNRELATED]
+    expected = vectors(openai_client.embeddings.create(model=MODEL, input=texts))
+    runner = CliRunner()
+    printed = runner.invoke(main, ["embed", *texts[:2], "--url", service.base_url])  # its model: the first listed
+    assert printed.exit_code == 0, printed.output
+    rows = [json.loads(line) for line in printed.output.splitlines()]
+    assert [row["index"] for row in rows] == [0, 1]
+    np.testing.assert_allclose(np.array([row["embedding"] for row in rows]), expected[:2], atol=1e-6)
+    # A file of lines (a blank one skipped) after an argument, saved as .npy.
+    lines = tmp_path / "texts.txt"
+    lines.write_text(f"{texts[1]}\n\n{texts[2]}\n")
+    out = tmp_path / "v.npy"
+    saved = runner.invoke(main, ["embed", texts[0], "--file", str(lines), "--model", MODEL, "--out", str(out),
+                                 "--url", service.base_url])
+    assert saved.exit_code == 0, saved.output
+    got = np.load(out)
+    assert got.dtype == np.float32 and got.shape == (3, 384)
+    np.testing.assert_allclose(got, expected, atol=1e-6)
+    # Nothing to embed, or a model that is not an embedding model: one line saying so.
+    assert "give texts to embed" in runner.invoke(main, ["embed", "--url", service.base_url]).output
+    wrong = runner.invoke(main, ["embed", "hi", "--model", "smollm2-135m", "--url", service.base_url])
+    assert wrong.exit_code == 1 and "HTTP 400" in wrong.output and "invalid_model" in wrong.output
