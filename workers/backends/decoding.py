@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache
 
+from workers.backends import cpu_math
 from workers.backends.prefill import row_cache
 from workers.backends.quantized_kv import BatchQuantizedKVCache
 from workers.backends.sampling import BatchSampler, Row
@@ -139,7 +140,7 @@ class DecodeBatch:
                 # device waited for the whole pass to be queued, a host-bound step's most of it).
                 mx.async_eval(logits)
             logits = self.sampler.process(logits, current, [True] * len(self.slots))
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            logprobs = logits - cpu_math.logsumexp(logits)[:, None]  # (MLX's own exp is slow on a CPU)
             self.inputs = self.sampler.sample(logprobs)
             wanted = any(slot.logprobs for slot in self.slots)
             self.input_logprobs = logprobs if wanted else None

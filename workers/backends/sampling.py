@@ -30,6 +30,7 @@ import mlx.core as mx
 import numpy as np
 
 from jobs.contract import Sampling
+from workers.backends import cpu_math
 
 CANDIDATES = 1024
 """The most likely tokens a row's top_p and min_p choose among: only they are sorted (sorting 8 rows of a
@@ -320,7 +321,12 @@ def draw(logprobs: mx.array, inverse: mx.array, sampled: mx.array, seed_lo: mx.a
     row's `floor` (its filters' threshold; -inf keeps all), by inverting the cumulative distribution at
     the row's uniform; a greedy row's argmax."""
     scaled = mx.where(logprobs >= floor[:, None], logprobs.astype(mx.float32) * inverse[:, None], -mx.inf)
-    cumulative = mx.cumsum(mx.exp(scaled - mx.max(scaled, axis=-1, keepdims=True)), axis=-1)
+    top = mx.max(scaled, axis=-1, keepdims=True)
+    if cpu_math.polynomials():  # MLX's exp is slow on a CPU (5.1 against 1.2 ms for 8 rows of 49k); kept tokens only
+        weights = mx.where(scaled > -mx.inf, cpu_math.exp_below_max(scaled, top), 0.0)
+    else:
+        weights = mx.exp(scaled - top)
+    cumulative = mx.cumsum(weights, axis=-1)
     # The total is the last cumulative sum, read as the max (the same value: a shapeless compile cannot slice).
     target = uniform(seed_lo, seed_hi, drawn) * mx.max(cumulative, axis=-1)
     # The first token whose cumulative mass reaches the target (a token of probability 0 never does first).

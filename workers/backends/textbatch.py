@@ -35,6 +35,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_p
 from jobs.contract import Choice, TextResult
 from jobs.errors import Canceled
 from workers.backends import (
+    cpu_math,
     prefill,
     prepare,
     quantized_kv,
@@ -352,7 +353,7 @@ class TextBatch:
         rows.extend([start.row for start, _, _ in starts], [prompt.fed[:-1] for _, prompt, _ in starts])
         last = mx.array([prompt.fed[-1] for _, prompt, _ in starts], mx.uint32)
         logits = rows.process(mx.stack([logits for _, _, logits in starts]), last, [False] * len(starts))
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        logprobs = logits - cpu_math.logsumexp(logits)[:, None]
         tokens = rows.sample(logprobs).tolist()
         ended = []
         for row, ((start, _, _), token) in enumerate(zip(starts, tokens, strict=True)):
