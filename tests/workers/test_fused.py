@@ -47,10 +47,11 @@ def test_joined_projections_compute_what_the_layers_did(demo_path, float32):
 
     model, tokenizer = textgen.load(demo_path, float32)
     vocab = textgen.output_size(model, tokenizer)
-    prompts = [tokenizer.encode(text) for text in ("The capital of France is", "One, two, three,", "Bees make")]
+    prompts = [tokenizer.encode(text) for text in ("The capital of France is", "One, two, three,")]
     tokens = mx.array([prompts[0]])
     before, names = model(tokens), {k: v.shape for k, v in tree_flatten(model.parameters())}
-    alone = decode(model, vocab, prompts, 6)
+    nbytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    alone = decode(model, vocab, prompts, 4)
     layers = len(model.model.layers)
     kind = type(model.model.layers[0].self_attn.q_proj)
     assert kind is (nn.Linear if float32 else nn.QuantizedLinear)
@@ -59,11 +60,10 @@ def test_joined_projections_compute_what_the_layers_did(demo_path, float32):
     assert isinstance(attention.k_proj, fused.Projection) and type(attention.q_proj.linear) is kind
     # The weights are in the tree once: q/k/v's joined under q_proj, nothing under k_proj and v_proj.
     joined = {k: v for k, v in tree_flatten(model.parameters())}
-    assert sum(v.nbytes for v in joined.values()) == sum(v.nbytes for _, v in tree_flatten(
-        textgen.load(demo_path, float32)[0].parameters()))
+    assert sum(v.nbytes for v in joined.values()) == nbytes
     assert not any(".k_proj." in k or ".up_proj." in k for k in joined)
     assert mx.allclose(model(tokens), before, atol=1e-4).item()
-    assert decode(model, vocab, prompts, 6) == alone
+    assert decode(model, vocab, prompts, 4) == alone
     fused.unfuse(model)
     assert {k: v.shape for k, v in tree_flatten(model.parameters())} == names
     assert mx.allclose(model(tokens), before, atol=1e-4).item()
@@ -76,7 +76,7 @@ def test_an_adapter_goes_on_a_model_whose_projections_are_joined(demo_path, pira
     from workers.backends import fused, textgen
 
     plain, _ = textgen.load(demo_path)
-    joined, _ = textgen.load(demo_path)
+    joined, _ = adapters.share_copy(plain)  # the same weights, its own modules
     fused.fuse_projections(joined)
     tokens = mx.array([[1, 504, 3458, 314, 2]])
     on_plain = adapters.apply("pirate", plain, str(pirate.path))
