@@ -84,3 +84,33 @@ def test_prompts_resuming_from_one_entry_merge_as_mlx_lm_merges_them_row_by_row(
     monkeypatch.setattr(BatchKVCache, "merge", lambda *a: pytest.fail("merged row by row"))
     same = merge_rows([_prefix(b, 9) for _ in range(5)], [id(b.keys)] * 5)
     np.testing.assert_array_equal(np.array(same.keys), np.broadcast_to(np.array(b.keys[..., :9, :]), (5, 2, 9, 4)))
+
+
+def test_only_prompts_of_one_namespace_resume_from_one_entry(monkeypatch):
+    from mlx_lm.models.cache import KVCache
+
+    from workers.backends import prefill
+    from workers.backends.prefill import Prompt, prefix_source, share_prefixes
+    from workers.backends.prompt_cache import _prefix
+
+    def entry(seed: int) -> KVCache:
+        cache = KVCache()
+        cache.keys = mx.random.normal((1, 2, 12, 4), key=mx.random.key(seed))
+        cache.values = mx.random.normal((1, 2, 12, 4), key=mx.random.key(seed + 1))
+        cache.offset = 12
+        return cache
+
+    monkeypatch.setitem(prefill.SHARE_TAIL, "cpu", 32)
+    text_a, text_b, image_a, image_b = entry(1), entry(3), entry(5), entry(7)
+    fed = list(range(100, 108))  # the same ids: beside other images they are other keys and values
+    prompts = [Prompt(None, [], [_prefix(e, n)], fed[:n], [1, 2], i, namespace=ns)
+               for i, (e, n, ns) in enumerate([(text_a, 8, "m"), (text_b, 6, "m"), (image_a, 8, ("m", "cat.png")),
+                                               (image_b, 8, ("m", "dog.png"))])]
+    share_prefixes(prompts)
+    texts, images = prompts[:2], prompts[2:]
+    # The two text prompts now resume from the first's entry, to the 6 tokens they share (the rest processed again).
+    assert {prefix_source(p) for p in texts} == {id(text_a.keys)} and [len(p.fed) for p in texts] == [6, 6]
+    assert texts[0].rest == fed[6:8] + [1, 2]
+    # Each image chat keeps its own entry and everything it had cached.
+    assert [prefix_source(p) for p in images] == [id(image_a.keys), id(image_b.keys)]
+    assert [len(p.fed) for p in images] == [8, 8] and images[0].rest == [1, 2]

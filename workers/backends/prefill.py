@@ -89,6 +89,7 @@ class Prompt:
     turns: int = 0  # prompt-processing turns it has had
     together: tuple[Together, int] | None = None  # (pass, row) once processed with others, in a batch cache
     embed: object = None  # an image chat's: its whole prompt's input embeddings, or the function that computes them
+    namespace: object = None  # the prompt cache's namespace it resumed in (an image chat's names its images)
 
     @property
     def cache(self) -> list:
@@ -264,25 +265,28 @@ def share_prefixes(prompts: list[Prompt]) -> None:
     tokens in common with it, resume from one entry to the tokens they all share (a chat template's system prompt),
     each processing its few cached tokens past those again (at most SHARE_TAIL; those with more keep their own):
     `merge_rows` then copies the shared part once per layer, not once per row. On a host-bound GPU a copy per row
-    and layer (2,016 for 63 prompts of a 16-layer model) costs more than a few more tokens in a batched pass."""
-    viewing = [(prompt, _shares(prompt)) for prompt in prompts]
-    viewing = [(prompt, shares) for prompt, shares in viewing if shares is not None]
-    if len(viewing) < 2:
-        return
-    first, source = viewing[0][0].fed, viewing[0][1]
-    shared = min(len(prompt.fed) for prompt, _ in viewing)
-    for prompt, _ in viewing[1:]:
-        shared = next((i for i in range(shared) if prompt.fed[i] != first[i]), shared)
+    and layer (2,016 for 63 prompts of a 16-layer model) costs more than a few more tokens in a batched pass. Only
+    prompts of one namespace share: the same ids are other keys and values beside other images."""
+    groups: dict[object, list[tuple[Prompt, tuple]]] = {}
+    for prompt in prompts:
+        shares = _shares(prompt)
+        if shares is not None:
+            groups.setdefault(prompt.namespace, []).append((prompt, shares))
     limit = SHARE_TAIL["gpu" if mx.default_device() == mx.gpu else "cpu"]
-    for prompt, _ in viewing if shared else []:
-        tail = len(prompt.fed) - shared
-        if tail > limit:
-            continue
-        prompt.cache = [entry_view(keys, values, shared) for keys, values in source]
-        prompt.rest = prompt.fed[shared:] + prompt.rest
-        del prompt.fed[shared:]
-        for start in prompt.starts:
-            start.seq.cached_tokens -= tail
+    for viewing in groups.values():
+        first, source = viewing[0][0].fed, viewing[0][1]
+        shared = min(len(prompt.fed) for prompt, _ in viewing)
+        for prompt, _ in viewing[1:]:
+            shared = next((i for i in range(shared) if prompt.fed[i] != first[i]), shared)
+        for prompt, _ in viewing if shared and len(viewing) > 1 else []:
+            tail = len(prompt.fed) - shared
+            if tail > limit:
+                continue
+            prompt.cache = [entry_view(keys, values, shared) for keys, values in source]
+            prompt.rest = prompt.fed[shared:] + prompt.rest
+            del prompt.fed[shared:]
+            for start in prompt.starts:
+                start.seq.cached_tokens -= tail
 
 
 def merge_rows(layers: list, sources: list[int | None]) -> BatchKVCache | BatchQuantizedKVCache:

@@ -511,7 +511,7 @@ class TextBatch:
                            thoughts=reasoning.thoughts(thinking), cache_key=key)
             starts.append(Start(seq, budget, row, order))
         cache = cache if cache is not None else quantized_kv.make_cache(self.model, self.kv)
-        prompt = Prompt(task, starts, cache, ids[:cached], list(rest), order)
+        prompt = Prompt(task, starts, cache, ids[:cached], list(rest), order, namespace=key or self.cache_key)
         if media is not None and vision_batch.has_images(rest, self.vision.image_token):
             prompt.embed = vision_batch.Pending(self.vision, ids, media)  # (not when its images are all cached)
         return prompt
