@@ -51,20 +51,24 @@ def test_a_hit_resumes_as_a_fresh_prefill_would_and_leaves_the_entry_as_it_was(m
             np.testing.assert_array_equal(before, np.array(layer.keys[..., :64, :]), err_msg=case)
 
 
+def kept_entry(seed: int):
+    """A kept entry's plain cache of 12 random tokens (2 heads of 4)."""
+    from mlx_lm.models.cache import KVCache
+
+    cache = KVCache()
+    cache.keys = mx.random.normal((1, 2, 12, 4), key=mx.random.key(seed))
+    cache.values = mx.random.normal((1, 2, 12, 4), key=mx.random.key(seed + 1))
+    cache.offset = 12
+    return cache
+
+
 def test_prompts_resuming_from_one_entry_merge_as_mlx_lm_merges_them_row_by_row(monkeypatch):
     from mlx_lm.models.cache import BatchKVCache, KVCache
 
     from workers.backends.prefill import Prompt, merge_rows, prefix_source
     from workers.backends.prompt_cache import _prefix
 
-    def entry(seed: int, length: int = 12) -> KVCache:
-        cache = KVCache()
-        cache.keys = mx.random.normal((1, 2, length, 4), key=mx.random.key(seed))
-        cache.values = mx.random.normal((1, 2, length, 4), key=mx.random.key(seed + 1))
-        cache.offset = length
-        return cache
-
-    a, b = entry(1), entry(3)
+    a, b = kept_entry(1), kept_entry(3)
     trimmed = _prefix(a, 7)
     trim_prompt_cache([trimmed], 1)  # a whole prompt cached: its last token is fed again (textbatch's _prompt)
     # Runs of one entry to one length, an empty cache, one trimmed view, another entry, and a cache written since.
@@ -86,22 +90,14 @@ def test_prompts_resuming_from_one_entry_merge_as_mlx_lm_merges_them_row_by_row(
     np.testing.assert_array_equal(np.array(same.keys), np.broadcast_to(np.array(b.keys[..., :9, :]), (5, 2, 9, 4)))
 
 
-def test_only_prompts_of_one_namespace_resume_from_one_entry(monkeypatch):
-    from mlx_lm.models.cache import KVCache
+def test_only_prompts_of_one_namespace_resume_from_one_kept_entry(monkeypatch):
 
     from workers.backends import prefill
     from workers.backends.prefill import Prompt, prefix_source, share_prefixes
     from workers.backends.prompt_cache import _prefix
 
-    def entry(seed: int) -> KVCache:
-        cache = KVCache()
-        cache.keys = mx.random.normal((1, 2, 12, 4), key=mx.random.key(seed))
-        cache.values = mx.random.normal((1, 2, 12, 4), key=mx.random.key(seed + 1))
-        cache.offset = 12
-        return cache
-
     monkeypatch.setitem(prefill.SHARE_TAIL, "cpu", 32)
-    text_a, text_b, image_a, image_b = entry(1), entry(3), entry(5), entry(7)
+    text_a, text_b, image_a, image_b = kept_entry(1), kept_entry(3), kept_entry(5), kept_entry(7)
     fed = list(range(100, 108))  # the same ids: beside other images they are other keys and values
     prompts = [Prompt(None, [], [_prefix(e, n)], fed[:n], [1, 2], i, namespace=ns)
                for i, (e, n, ns) in enumerate([(text_a, 8, "m"), (text_b, 6, "m"), (image_a, 8, ("m", "cat.png")),
