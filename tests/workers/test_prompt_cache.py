@@ -90,7 +90,7 @@ def test_prompts_resuming_from_one_entry_merge_as_mlx_lm_merges_them_row_by_row(
     np.testing.assert_array_equal(np.array(same.keys), np.broadcast_to(np.array(b.keys[..., :9, :]), (5, 2, 9, 4)))
 
 
-def test_only_prompts_of_one_namespace_resume_from_one_kept_entry(monkeypatch):
+def test_only_prompts_of_one_namespace_resume_from_one_entry(monkeypatch):
 
     from workers.backends import prefill
     from workers.backends.prefill import Prompt, prefix_source, share_prefixes
