@@ -5,7 +5,8 @@ product more), and the device waits for it. mlx-lm's Llama-family layers make se
 attention's three and the MLP's first two each done as one, four. `bench/device/fuse_probe.py` (H200, 2026-11-28,
 the 1B shape in bf16, the worker's DecodeBatch, blocks of 30 steps alternating): 64 rows 5.63 → 4.73 ms a step,
 8 rows 7.06 → 6.16 ms, the same tokens (the probe then joined the layers with code of its own: the same products
-as here). On a CPU the products' arithmetic is the cost, so nothing is fused there.
+as here). On a CPU the products' arithmetic is the cost, so nothing is joined there; on Apple silicon (Metal)
+nothing either until it is measured there (no Mac here).
 
 The layer's code is left as it is: the group's first projection computes the whole product for its input and each
 projection of the group (the first too) returns its columns of it; a projection called with another input

@@ -33,9 +33,9 @@ class TextBackend:
     resumable = False
 
     def load(self, path: Path, float32: bool):
-        """Load an mlx-lm model and its tokenizer; on a GPU, with its layers' projections joined (fused.py)."""
+        """Load an mlx-lm model and its tokenizer; on an NVIDIA GPU, with its layers' projections joined (fused.py)."""
         model, tokenizer = textgen.load(path, float32)
-        if mx.default_device() == mx.gpu:
+        if mx.default_device() == mx.gpu and mx.cuda.is_available():
             joined = fused.fuse_projections(model)
             log.info("%s: %d groups of projections joined", path.name, joined)
         return model, tokenizer
