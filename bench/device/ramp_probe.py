@@ -73,6 +73,8 @@ def burst(server, conn: redis.Redis, n: int, max_tokens: int, tag: str) -> dict:
         rows.append({"sent": r["sent"] - t0, "enq": _epoch(job.enqueued_at) - t0, "start": _epoch(job.started_at) - t0,
                      "first": r["first"] - t0})
 
+    starts = _clusters([r["start"] for r in rows])  # the worker's looks
+
     def ms(values: list[float]) -> dict:
         return {"p50": round(1000 * statistics.median(values), 1), "max": round(1000 * max(values), 1)} if values else {}
 
@@ -82,8 +84,8 @@ def burst(server, conn: redis.Redis, n: int, max_tokens: int, tag: str) -> dict:
             "first": ms([r["first"] - r["start"] for r in rows]), "ttft": ms([r["first"] - r["sent"] for r in rows]),
             "enqueued_spread_ms": round(1000 * (max(r["enq"] for r in rows) - min(r["enq"] for r in rows)), 1)
             if rows else None,
-            "start_groups": [len(c) for c in _clusters([r["start"] for r in rows])],
-            "start_group_at_ms": [round(1000 * min(g), 1) for g in _clusters([r["start"] for r in rows])],
+            "start_groups": [len(group) for group in starts],
+            "start_group_at_ms": [round(1000 * min(group), 1) for group in starts],
             "enqueued_by_ms": {f"{b}": sum(r["enq"] <= b / 1000 for r in rows) for b in (10, 25, 50, 100, 200)},
             "errors": sorted({r["error"] for r in out.values() if "error" in r})[:3]}
 
