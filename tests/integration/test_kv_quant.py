@@ -17,8 +17,10 @@ from tests.integration.conftest import Service, service_env
 MODEL = "smollm2-135m"
 SYSTEM = {"role": "system", "content": "You are a patient teacher who answers in plain words, briefly."}
 # The test prompts: on these the demo model's 8-bit answers match its unquantized ones token for token (16 of
-# them). Over more prompts the agreement is measured, not asserted: docs/performance.md (bench_kv_memory).
-QUESTIONS = ["Name three colours.", "Why is the sky blue?", "What do bees make?"]
+# them), in mlx-lm's own generate too. Over more prompts the agreement is measured, not asserted:
+# docs/performance.md (bench_kv_memory). ("Name three colours." was one until 2026-11-28: on a new 2-core VM its
+# first token is a near-tie that 8-bit KV flips, "The" against "1.", in mlx-lm's generate as in the worker.)
+QUESTIONS = ["How many legs does a spider have?", "Why is the sky blue?", "What do bees make?"]
 
 
 @pytest.fixture(scope="module")
