@@ -270,20 +270,29 @@ def combine(runs: list[dict]) -> dict:
 
 
 def ratios(results: dict) -> dict:
-    """Issue 31's ratios of aggregate tokens/s per workload and N: mlxq ÷ mlxq greedy, ÷ mlx_lm.server, ÷ direct."""
-    def tps(workload: str, name: str, n: str) -> float | None:
-        return results.get(workload, {}).get(name, {}).get(n, {}).get("aggregate_tps")
+    """Issue 31's ratios of aggregate tokens/s per workload and N: mlxq ÷ mlxq greedy, ÷ mlx_lm.server, ÷ direct,
+    each the ratio of the medians; and `paired`: the median of the round-by-round ratios (round r of one beside
+    round r of the other, minutes apart at most), which a machine drifting between rounds moves less."""
+    def of(workload: str, name: str, n: str) -> dict:
+        return results.get(workload, {}).get(name, {}).get(n, {})
 
     out: dict[str, dict] = {}
     for workload, contestants in results.items():
         for n in contestants.get("mlxq", {}):
-            mine = tps(workload, "mlxq", n)
-            row = {f"mlxq_vs_{other}": mine / theirs if mine and theirs else None
-                   for other, theirs in (("mlxq_greedy", tps("greedy", "mlxq", n)),
-                                         ("mlx_lm_server", tps(workload, "mlx_lm_server", n)),
-                                         ("direct", tps(workload, "direct", n)))}
-            if workload == "greedy":
-                del row["mlxq_vs_mlxq_greedy"]
+            mine = of(workload, "mlxq", n)
+            row, paired = {}, {}
+            for other, theirs in (("mlxq_greedy", of("greedy", "mlxq", n)),
+                                  ("mlx_lm_server", of(workload, "mlx_lm_server", n)),
+                                  ("direct", of(workload, "direct", n))):
+                if other == "mlxq_greedy" and workload == "greedy":
+                    continue
+                a, b = mine.get("aggregate_tps"), theirs.get("aggregate_tps")
+                row[f"mlxq_vs_{other}"] = a / b if a and b else None
+                each = [x["aggregate_tps"] / y["aggregate_tps"] for x, y in
+                        zip(mine.get("each_round", []), theirs.get("each_round", []), strict=False)
+                        if x["aggregate_tps"] and y["aggregate_tps"]]
+                paired[f"mlxq_vs_{other}"] = statistics.median(each) if each else None
+            row["paired"] = paired
             out.setdefault(workload, {})[n] = row
     return out
 
@@ -305,9 +314,12 @@ def summary(report: dict) -> str:
                 if c.get("cpu_per_wall"):
                     lines.append(f"{'':9} {'':>3} {'':16} CPU s per s: " + ", ".join(
                         f"{k.removeprefix(name + '-')} {num(v, 2)}" for k, v in c["cpu_per_wall"].items()))
-            ratios_n = report["ratios"].get(workload, {}).get(n, {})
+            ratios_n = dict(report["ratios"].get(workload, {}).get(n, {}))
+            paired = ratios_n.pop("paired", {})
             lines.append(f"{'':9} {n:>3} mlxq ÷ " + ", ".join(f"{k.removeprefix('mlxq_vs_')} {num(v, 2)}"
-                                                            for k, v in ratios_n.items()))
+                                                            for k, v in ratios_n.items())
+                         + "; paired by round: " + ", ".join(f"{k.removeprefix('mlxq_vs_')} {num(v, 2)}"
+                                                             for k, v in paired.items()))
     if report.get("direct_decode_tps"):  # measured at N = 1 only
         lines.append(f"direct single-stream decode {num(report['direct_decode_tps'], 1)} tok/s; "
                      + ", ".join(f"{k} {v:.3f}" for k, v in report.items() if k.endswith("_vs_direct")))
@@ -341,15 +353,16 @@ def measure(contestants: list, workloads: list[str], counts: list[int], args, si
 
 
 def profiled_round(server, workload: str, n: int, args) -> None:
-    """One more round on mlxq, unmeasured, with py-spy sampling its worker (every thread, native frames
-    too): args.profile/worker-WORKLOAD-N.txt holds the collapsed stacks (`frames count` per line)."""
+    """Two more rounds on mlxq, unmeasured, with py-spy sampling its worker (every thread; native frames
+    with `--profile-native`): args.profile/worker-WORKLOAD-N.txt holds the collapsed stacks (`frames count` per line)."""
     import subprocess
 
     args.profile.mkdir(parents=True, exist_ok=True)
     worker = next(proc for proc in server.procs if proc.name.endswith("worker"))
     out = args.profile / f"worker-{workload}-{n}.txt"
     spy = subprocess.Popen(["py-spy", "record", "--pid", str(worker.process.pid), "--rate", "200", "--threads",
-                            "--native", "--format", "raw", "--output", str(out), *(["--idle"] if args.profile_idle else [])], stdout=subprocess.DEVNULL,
+                            "--format", "raw", "--output", str(out), *(["--native"] if args.profile_native else []),
+                            *(["--idle"] if args.profile_idle else [])], stdout=subprocess.DEVNULL,
                            stderr=subprocess.STDOUT)
     time.sleep(1.0)  # py-spy attaches
     try:
@@ -380,6 +393,8 @@ def parse_args() -> argparse.Namespace:
                              "PYTHONPATH=OLD_CHECKOUT for before against after in one run")
     parser.add_argument("--profile", type=Path, metavar="DIR",
                         help="after each N's rounds, two more (unmeasured) on mlxq per workload with py-spy on its worker")
+    parser.add_argument("--profile-native", action="store_true",
+                        help="with --profile, native frames too (MLX's C++: slows the worker several times over)")
     parser.add_argument("--profile-idle", action="store_true",
                         help="with --profile, keep idle samples too (a thread waiting for Redis, the GIL or the device)")
     parser.add_argument("--web-workers", type=int, default=default_web_workers(),

@@ -18,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
 
 from bench.bench_decode import settings  # noqa: E402
 from jobs.contract import Sampling  # noqa: E402
@@ -71,11 +72,11 @@ def step_parts(b: int, v: int) -> dict:
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     mx.eval(logprobs)
     inputs = mx.zeros((b,), mx.uint32)
-    seeds = mx.arange(b, dtype=mx.uint32)
+    seeds = np.arange(b, dtype=np.uint32)
     top_p, top_k, min_p = mx.full((b,), 0.9), mx.full((b,), 40, mx.int32), mx.zeros((b,))
     parts = {
         "logsumexp": lambda: logits - mx.logsumexp(logits, axis=-1, keepdims=True),
-        "uniform": lambda: sampling.uniform(seeds, seeds, seeds),
+        "uniform": lambda: mx.array(sampling.uniforms(seeds, seeds, seeds)),  # made on the host
         "argmax": lambda: mx.argmax(logprobs, axis=-1),
         "sort_all_rows": lambda: mx.sort(logprobs, axis=-1),
         "thresholds_all_rows": lambda: sampling.thresholds(logprobs, top_p, top_k, min_p, sampling.CANDIDATES),

@@ -155,17 +155,44 @@ def test_the_compiled_steps_serve_every_batch_size_from_one_trace():
     # On a GPU the draw and the penalties run compiled; rows come and go, and a compile per batch size was
     # rebuilt at each new one (seconds on CUDA). Compiled for every size, they trace once and compute what
     # the plain functions do.
-    vocab, before = 500, (sampling.draw.traces, sampling.penalties.traces)
+    compiled = (sampling.draw, sampling.penalties, sampling.repetition, sampling.cut_points)
+    vocab, before = 500, [fn.traces for fn in compiled]
     for rows in (3, 5, 2):
         logprobs = mx.log(mx.softmax(mx.random.normal((rows, vocab), key=mx.random.key(rows)), axis=-1))
         args = (logprobs, mx.full((rows,), 1.3), mx.array([1.0, 0.0] * (rows // 2) + [1.0] * (rows % 2)),
-                mx.arange(rows).astype(mx.uint32), mx.arange(rows).astype(mx.uint32) * 7,
-                mx.full((rows,), 4, mx.uint32), mx.full((rows,), -mx.inf))
+                mx.array(sampling.uniforms(np.arange(rows, dtype=np.uint32), np.arange(rows, dtype=np.uint32) * 7,
+                                           np.full(rows, 4, np.uint32))), mx.full((rows,), -mx.inf))
         assert mx.array_equal(sampling.draw.compiled(*args), sampling.draw(*args)).item()
         counts = (mx.random.uniform(shape=(rows, vocab), key=mx.random.key(9)) > 0.9).astype(mx.float32)
         args = (logprobs, counts, mx.full((rows,), 0.5), mx.full((rows,), 0.25))
         assert mx.allclose(sampling.penalties.compiled(*args), sampling.penalties(*args)).item()
-    assert (sampling.draw.traces, sampling.penalties.traces) == (before[0] + 1, before[1] + 1)
+        recent = mx.random.randint(0, vocab, (rows, sampling.REPETITION_CONTEXT), key=mx.random.key(rows))
+        args = (logprobs, recent, mx.full((rows,), 1.2))
+        assert mx.array_equal(sampling.repetition.compiled(*args), sampling.repetition(*args)).item()
+        for width in (vocab, 64 * rows):  # the candidates of another model, or of a wider top_k
+            args = (logprobs[:, :width] if width < vocab else logprobs, mx.array([0.9, 0.3, 1.0, 0.5, 0.99][:rows]),
+                    mx.array([7, 400, 1, 50, 500][:rows], mx.int32), mx.array([0.0, 0.05, 0.0, 0.2, 0.0][:rows]))
+            assert mx.array_equal(sampling.cut_points.compiled(*args), sampling.cut_points(*args)).item()
+    assert [fn.traces for fn in compiled] == [n + 1 for n in before]
+
+
+def test_a_seeds_uniforms_are_the_ones_it_always_had():
+    # Made on the host since 2026-11-28 (on the device before): a seeded request keeps drawing what it drew.
+    seeds = np.array([0, 1, 42, 2**32 - 1, 2**32, 2**63 + 12345, 7 * 2**40 + 3], np.uint64)
+    drawn = np.array([0, 1, 5, 127, 3, 1000, 2**20], np.uint32)
+    got = sampling.uniforms((seeds & 0xFFFFFFFF).astype(np.uint32), (seeds >> 32).astype(np.uint32), drawn)
+    assert got.dtype == np.float32
+    assert got.tolist() == [0.5793412327766418, 0.5254772305488586, 0.8607051968574524, 0.0006986570078879595,
+                            0.46145060658454895, 0.7029715776443481, 0.8595072031021118]
+
+
+def test_the_filters_threshold_is_the_keep_th_likeliest_token():
+    # top_k 3 keeps the 3 likeliest; top_p 0.5 the fewest whose mass reaches it; min_p 0.3 those at least 0.3
+    # times the likeliest (0.4: 0.3 and 0.2 too, 0.1 not); at least one.
+    probs = mx.array([[0.1, 0.4, 0.2, 0.3]] * 4)
+    out = sampling.thresholds(mx.log(probs), mx.array([1.0, 0.5, 1.0, 1e-9]), mx.array([3, 4, 4, 4], mx.int32),
+                              mx.array([0.0, 0.0, 0.3, 0.0]), sampling.CANDIDATES)
+    assert mx.allclose(mx.exp(out), mx.array([0.2, 0.3, 0.2, 0.4])).item()
 
 
 def test_a_filtered_row_draws_among_its_own_candidates_whatever_its_neighbours_ask():

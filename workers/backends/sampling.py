@@ -138,12 +138,13 @@ class BatchSampler:
             self._settings = {
                 "sampled": mx.array(sampled, mx.float32),
                 "inverse": mx.array([1 / r.temperature if r.temperature > 0 else 1.0 for r in rows], mx.float32),
-                "seed_lo": mx.array((seeds & 0xFFFFFFFF).astype(np.uint32)),
-                "seed_hi": mx.array((seeds >> 32).astype(np.uint32)),
+                "seed_lo": (seeds & 0xFFFFFFFF).astype(np.uint32),  # on the host: `uniforms`
+                "seed_hi": (seeds >> 32).astype(np.uint32),
                 "repetition": mx.array([r.repetition_penalty for r in rows], mx.float32),
                 "presence": mx.array([r.presence_penalty for r in rows], mx.float32),
                 "frequency": mx.array([r.frequency_penalty for r in rows], mx.float32),
                 "floor": mx.full((len(rows),), -mx.inf, mx.float32),  # no filters: every token
+                "rows": mx.arange(len(rows)),
                 "any_sampled": any(sampled),
             }
             # Filtered rows in groups of one candidate count each (CANDIDATES, or a wider top_k): a row's filters
@@ -170,8 +171,7 @@ class BatchSampler:
             self.recent = mx.concatenate([self.recent[:, 1:], inputs[:, None].astype(mx.int32)], axis=1)
             logits = repetition(logits, self.recent, settings["repetition"])
         if self.counts is not None:
-            rows = mx.arange(len(self.rows))
-            self.counts = self.counts.at[rows, inputs.astype(mx.int32)].add(mx.array(generated, mx.float32))
+            self.counts = self.counts.at[settings["rows"], inputs.astype(mx.int32)].add(mx.array(generated, mx.float32))
             logits = penalties(logits, self.counts, settings["presence"], settings["frequency"])
         grammars = [(i, r.grammar) for i, r in enumerate(self.rows) if r.grammar is not None]
         if grammars:
@@ -186,7 +186,7 @@ class BatchSampler:
     def sample(self, logprobs: mx.array) -> mx.array:
         """One token per row, drawn from its (processed, normalized) log-probabilities."""
         settings = self._arrays()
-        drawn = mx.array(self.drawn, mx.uint32)
+        drawn = np.array(self.drawn, np.uint32)
         self.drawn = [n + 1 for n in self.drawn]
         if not settings["any_sampled"]:  # greedy only: nothing to draw
             return mx.argmax(logprobs, axis=-1).astype(mx.uint32)
@@ -195,8 +195,8 @@ class BatchSampler:
             rows = group["rows"]
             kept = thresholds(logprobs[rows], group["top_p"], group["top_k"], group["min_p"], group["width"])
             floor = _put(floor, rows, kept)
-        return draw(logprobs, settings["inverse"], settings["sampled"], settings["seed_lo"], settings["seed_hi"],
-                    drawn, floor)
+        return draw(logprobs, settings["inverse"], settings["sampled"],
+                    mx.array(uniforms(settings["seed_lo"], settings["seed_hi"], drawn)), floor)
 
 
 def _joined(current: mx.array | None, old: int, fresh: mx.array) -> mx.array:
@@ -229,15 +229,6 @@ def _bias_row(bias: tuple[tuple[int, float], ...], vocab: int) -> mx.array:
     return mx.array(row)
 
 
-def repetition(logits: mx.array, recent: mx.array, penalty: mx.array) -> mx.array:
-    """mlx-lm's repetition penalty for every row: the logits of its recent tokens divided by its penalty
-    when positive, multiplied when negative (a penalty of 1 changes nothing)."""
-    selected = mx.take_along_axis(logits, recent, axis=-1)
-    scale = penalty[:, None].astype(logits.dtype)
-    selected = mx.where(selected < 0, selected * scale, selected / scale)
-    return mx.put_along_axis(logits, recent, selected, axis=-1)
-
-
 def _gpu_compiled(fn):
     """`fn` compiled by MLX on a GPU, where fusing the step's elementwise work into a few kernels pays
     (uncompiled Gumbel noise took 0.7 ms of a 6 ms step at 64 rows on the H100; compiled, 0.2); as it is
@@ -256,8 +247,18 @@ def _gpu_compiled(fn):
     def run(*args):
         return (compiled if mx.default_device() == mx.gpu else fn)(*args)
 
-    run.__doc__, run.traces, run.compiled = fn.__doc__, 0, compiled
+    run.__doc__, run.traces, run.compiled, run.plain = fn.__doc__, 0, compiled, fn
     return run
+
+
+@_gpu_compiled
+def repetition(logits: mx.array, recent: mx.array, penalty: mx.array) -> mx.array:
+    """mlx-lm's repetition penalty for every row: the logits of its recent tokens divided by its penalty
+    when positive, multiplied when negative (a penalty of 1 changes nothing)."""
+    selected = mx.take_along_axis(logits, recent, axis=-1)
+    scale = penalty[:, None].astype(logits.dtype)
+    selected = mx.where(selected < 0, selected * scale, selected / scale)
+    return mx.put_along_axis(logits, recent, selected, axis=-1)
 
 
 @_gpu_compiled
@@ -274,52 +275,65 @@ def masked(logits: mx.array, rows: list[int], words: np.ndarray) -> mx.array:
     allowed = bits.reshape(len(rows), -1)[:, :width].astype(mx.bool_)
     if allowed.shape[-1] < width:  # an output wider than the tokenizer's vocabulary: those tokens never
         allowed = mx.concatenate([allowed, mx.zeros((len(rows), width - allowed.shape[-1]), mx.bool_)], axis=1)
+    if len(rows) == logits.shape[0]:  # every row has a mask (rows in order): no gather, copy and scatter
+        return mx.where(allowed, logits, -mx.inf)
     index = mx.array(rows, mx.int32)
     logits = mx.array(logits)
     logits[index] = mx.where(allowed, logits[index], -mx.inf)
     return logits
 
 
-# Not compiled: its top-k slices, which a compile for every batch size cannot do, and compiled per batch size
-# it was rebuilt at each new one (seconds on the H100).
 def thresholds(logprobs: mx.array, top_p: mx.array, top_k: mx.array, min_p: mx.array, candidates: int) -> mx.array:
     """Per row, the lowest log-probability its filters keep: the top_k most likely, the fewest most
     likely that make up top_p of the probability, those at least min_p times the likeliest; at least
     one, and at most the `candidates` most likely (only they are sorted)."""
     ordered = logprobs.astype(mx.float32)
-    if candidates < ordered.shape[-1]:
+    if candidates < ordered.shape[-1]:  # (outside the compiled part: top-k's slice is traced for one shape only)
         ordered = mx.topk(ordered, candidates, axis=-1)
-    ordered = -mx.sort(-ordered, axis=-1)
+    return cut_points(ordered, top_p, top_k, min_p)
+
+
+# The filters' arithmetic once the candidates are picked, compiled on a GPU, where a decode step is host-bound:
+# uncompiled, a batch with filtered rows launched ~25 small kernels for it at every step.
+@_gpu_compiled
+def cut_points(candidates: mx.array, top_p: mx.array, top_k: mx.array, min_p: mx.array) -> mx.array:
+    """`thresholds` over each row's candidates (in any order)."""
+    ordered = -mx.sort(-candidates, axis=-1)
     probs = mx.exp(ordered)
+    rank = mx.cumsum(mx.ones_like(probs), axis=-1)  # 1, 2, ... (an arange's length would be traced once)
     before = mx.cumsum(probs, axis=-1) - probs  # the mass of the likelier tokens
     keep_p = mx.sum(before < top_p[:, None], axis=-1)
-    keep_min = mx.sum(ordered >= ordered[:, :1] + mx.log(mx.maximum(min_p[:, None], 1e-30)), axis=-1)
+    keep_min = mx.sum(ordered >= mx.max(ordered, axis=-1, keepdims=True) + mx.log(mx.maximum(min_p[:, None], 1e-30)),
+                      axis=-1)
     keep = mx.maximum(mx.minimum(mx.minimum(keep_p, keep_min), top_k), 1)
-    return mx.take_along_axis(ordered, (keep - 1)[:, None].astype(mx.int32), axis=-1)[:, 0]
+    # The keep-th likeliest, as the least of the kept (a gather by a computed index crashed MLX's shapeless compile).
+    return mx.min(mx.where(rank <= keep[:, None], ordered, mx.inf), axis=-1)
 
 
-def _mix(x: mx.array) -> mx.array:
-    """A 32-bit integer hash with good avalanche (Wellons' lowbias32)."""
-    x = x ^ (x >> 16)
-    x = x * mx.array(0x7FEB352D, mx.uint32)
-    x = x ^ (x >> 15)
-    x = x * mx.array(0x846CA68B, mx.uint32)
-    return x ^ (x >> 16)
+def _mix(x: np.ndarray) -> np.ndarray:
+    """A 32-bit integer hash with good avalanche (Wellons' lowbias32), on uint32 arrays (products wrap)."""
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x7FEB352D)
+    x = x ^ (x >> np.uint32(15))
+    x = x * np.uint32(0x846CA68B)
+    return x ^ (x >> np.uint32(16))
 
 
-def uniform(seed_lo: mx.array, seed_hi: mx.array, drawn: mx.array) -> mx.array:
-    """(B,) uniforms in (0, 1): row r's is a function of its seed and draw count only."""
-    bits = _mix(_mix(seed_lo ^ _mix(seed_hi + mx.array(0x9E3779B9, mx.uint32))) ^ _mix(drawn))
-    return mx.clip(bits.astype(mx.float32) * 2.0**-32, 2.0**-25, 1 - 2.0**-24)
+def uniforms(seed_lo: np.ndarray, seed_hi: np.ndarray, drawn: np.ndarray) -> np.ndarray:
+    """(B,) float32 uniforms in (0, 1): row r's is a function of its seed and draw count only.
+
+    Made on the host, a few microseconds for a batch: on a GPU the same hashes were ~8 kernels a step,
+    each a launch in a host-bound step (bench/device/sampler_probe.py)."""
+    bits = _mix(_mix(seed_lo ^ _mix(seed_hi + np.uint32(0x9E3779B9))) ^ _mix(drawn))
+    return np.clip(bits.astype(np.float32) * np.float32(2.0**-32), np.float32(2.0**-25), np.float32(1 - 2.0**-24))
 
 
 # Shapes change as rows come and go: on a GPU each new batch size is traced once.
 @_gpu_compiled
-def draw(logprobs: mx.array, inverse: mx.array, sampled: mx.array, seed_lo: mx.array, seed_hi: mx.array,
-         drawn: mx.array, floor: mx.array) -> mx.array:
+def draw(logprobs: mx.array, inverse: mx.array, sampled: mx.array, uniform: mx.array, floor: mx.array) -> mx.array:
     """One token per row: drawn from softmax(logprobs / temperature) over the tokens at or above the
     row's `floor` (its filters' threshold; -inf keeps all), by inverting the cumulative distribution at
-    the row's uniform; a greedy row's argmax."""
+    the row's uniform (`uniforms`); a greedy row's argmax."""
     scaled = mx.where(logprobs >= floor[:, None], logprobs.astype(mx.float32) * inverse[:, None], -mx.inf)
     top = mx.max(scaled, axis=-1, keepdims=True)
     if cpu_math.polynomials():  # MLX's exp is slow on a CPU (5.1 against 1.2 ms for 8 rows of 49k); kept tokens only
@@ -328,7 +342,7 @@ def draw(logprobs: mx.array, inverse: mx.array, sampled: mx.array, seed_lo: mx.a
         weights = mx.exp(scaled - top)
     cumulative = mx.cumsum(weights, axis=-1)
     # The total is the last cumulative sum, read as the max (the same value: a shapeless compile cannot slice).
-    target = uniform(seed_lo, seed_hi, drawn) * mx.max(cumulative, axis=-1)
+    target = uniform * mx.max(cumulative, axis=-1)
     # The first token whose cumulative mass reaches the target (a token of probability 0 never does first).
     token = mx.minimum(mx.sum(cumulative < target[:, None], axis=-1), logprobs.shape[-1] - 1)
     return mx.where(sampled > 0, token, mx.argmax(logprobs, axis=-1)).astype(mx.uint32)

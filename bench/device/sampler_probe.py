@@ -1,0 +1,117 @@
+"""What a batch's sampling adds to a decode step on this device, with no server around it: the worker's DecodeBatch on
+a model (its projections joined on CUDA, as the worker loads it), timed in alternating blocks of steps in one process:
+- `greedy` rows against issue 31's `mixed` rows (greedy, temperature 1, top_p, top_k, a repetition and a presence
+  penalty, a seed, in turn), and `mixed_plain`: the same rows with the filters' arithmetic and the repetition penalty
+  run uncompiled (sampling.cut_points and sampling.repetition as before they were compiled);
+- one row under bench_structured's JSON schema (`json_1`) against one free greedy row (`free_1`).
+
+    python bench/device/sampler_probe.py --model DIR [--sizes 32,64] [--steps 30] [--blocks 5] [--out F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm import load  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
+
+from bench.bench_decode import MIX, prompts  # noqa: E402
+from bench.bench_structured import STORY  # noqa: E402
+from jobs.contract import Sampling  # noqa: E402
+from web.structured import grammar_for  # noqa: E402
+from workers.backends import fused, sampling  # noqa: E402
+from workers.backends.decoding import DecodeBatch  # noqa: E402
+from workers.backends.grammar import GrammarProcessor  # noqa: E402
+
+COMPILED = ("cut_points", "repetition")
+
+
+def batch_of(model, tokenizer, size: int, row_of, budget: int, first: int | None = None) -> DecodeBatch:
+    """A DecodeBatch of `size` sequences with prompts of their own, row i's sampling `row_of(i)`; each one's first
+    token its prompt's last (or `first`: one its grammar allows)."""
+    vocab = model.args.vocab_size
+    batch = DecodeBatch(model, vocab, set())  # no end of sequence: every row runs its budget
+    for i, ids in enumerate(prompts(tokenizer, size)):
+        cache = make_prompt_cache(model)
+        model(mx.array(ids[:-1])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        batch.insert(object(), cache, ids[:-1], ids[-1] if first is None else first, budget, row_of(i))
+    return batch
+
+
+def block(batch: DecodeBatch, steps: int, plain: bool) -> float:
+    """Milliseconds a step over `steps` steps (with `plain`, the compiled parts run uncompiled)."""
+    saved = {name: getattr(sampling, name) for name in COMPILED}
+    if plain:
+        for name in COMPILED:
+            setattr(sampling, name, saved[name].plain)
+    try:
+        batch.step()
+        began = time.perf_counter()
+        for _ in range(steps):
+            batch.step()
+        return 1000 * (time.perf_counter() - began) / steps
+    finally:
+        for name, fn in saved.items():
+            setattr(sampling, name, fn)
+
+
+def main() -> None:
+    """Build every variant's batch, time them in alternating blocks, print the medians and ratios."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--sizes", default="32,64")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--blocks", type=int, default=5)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    model, tokenizer = load(str(args.model))
+    joined = fused.fuse_projections(model) if mx.default_device() == mx.gpu and mx.cuda.is_available() else 0
+    vocab = model.args.vocab_size
+    budget = (args.blocks + 1) * (args.steps + 1) + 8
+    greedy = lambda i: sampling.row_for(Sampling(temperature=0.0), vocab)  # noqa: E731
+    mixed = lambda i: sampling.row_for(Sampling(**MIX[i % len(MIX)]), vocab)  # noqa: E731
+    grammar = grammar_for(STORY)
+    constrained = lambda i: sampling.row_for(Sampling(temperature=0.0), vocab,  # noqa: E731
+                                             grammar=GrammarProcessor(grammar, tokenizer, vocab))
+    variants = {}
+    for size in (int(s) for s in args.sizes.split(",")):
+        variants[f"greedy_{size}"] = (batch_of(model, tokenizer, size, greedy, budget), False)
+        variants[f"mixed_{size}"] = (batch_of(model, tokenizer, size, mixed, budget), False)
+        variants[f"mixed_plain_{size}"] = (batch_of(model, tokenizer, size, mixed, budget), True)
+    variants["free_1"] = (batch_of(model, tokenizer, 1, greedy, budget), False)
+    variants["json_1"] = (batch_of(model, tokenizer, 1, constrained, budget, tokenizer.encode("{")[-1]), False)
+    for batch, plain in variants.values():  # first sight of each kind of work: kernels built, not timed
+        block(batch, 2, plain)
+    times = {name: [] for name in variants}
+    names = list(variants)
+    for b in range(args.blocks):
+        for name in names[b % len(names):] + names[:b % len(names)]:
+            batch, plain = variants[name]
+            times[name].append(block(batch, args.steps, plain))
+    ms = {name: statistics.median(t) for name, t in times.items()}
+    ratios = {}
+    for size in (int(s) for s in args.sizes.split(",")):
+        ratios[f"mixed_vs_greedy_{size}"] = ms[f"greedy_{size}"] / ms[f"mixed_{size}"]
+        ratios[f"mixed_plain_vs_greedy_{size}"] = ms[f"greedy_{size}"] / ms[f"mixed_plain_{size}"]
+    ratios["json_vs_free_1"] = ms["free_1"] / ms["json_1"]
+    report = {"device": str(mx.default_device()), "model": str(args.model), "joined_layers": joined,
+              "steps": args.steps, "blocks": args.blocks, "ms_per_step": ms,
+              "blocks_ms": {k: [round(x, 3) for x in v] for k, v in times.items()},
+              "tokens_per_s_ratios": ratios, "date": time.strftime("%Y-%m-%d %H:%M")}
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
