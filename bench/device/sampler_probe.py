@@ -1,6 +1,6 @@
 """What a batch's sampling adds to a decode step on this device, with no server around it: the worker's DecodeBatch on
 a model (its projections joined on CUDA, as the worker loads it), timed in alternating blocks of steps in one process:
-- `greedy` rows against issue 31's `mixed` rows (greedy, temperature 1, top_p, top_k, a repetition and a presence
+- `greedy` rows against `sampled` rows (temperature 0.7) and issue 31's `mixed` rows (greedy, temperature 1, top_p, top_k, a repetition and a presence
   penalty, a seed, in turn), and `mixed_plain`: the same rows with the filters' arithmetic and the repetition penalty
   run uncompiled (sampling.cut_points and sampling.repetition as before they were compiled);
 - one row under bench_structured's JSON schema (`json_1`) against one free greedy row (`free_1`).
@@ -78,6 +78,7 @@ def main() -> None:
     vocab = model.args.vocab_size
     budget = (args.blocks + 1) * (args.steps + 1) + 8
     greedy = lambda i: sampling.row_for(Sampling(temperature=0.0), vocab)  # noqa: E731
+    sampled = lambda i: sampling.row_for(Sampling(temperature=0.7), vocab)  # noqa: E731
     mixed = lambda i: sampling.row_for(Sampling(**MIX[i % len(MIX)]), vocab)  # noqa: E731
     grammar = grammar_for(STORY)
     constrained = lambda i: sampling.row_for(Sampling(temperature=0.0), vocab,  # noqa: E731
@@ -85,6 +86,7 @@ def main() -> None:
     variants = {}
     for size in (int(s) for s in args.sizes.split(",")):
         variants[f"greedy_{size}"] = (batch_of(model, tokenizer, size, greedy, budget), False)
+        variants[f"sampled_{size}"] = (batch_of(model, tokenizer, size, sampled, budget), False)
         variants[f"mixed_{size}"] = (batch_of(model, tokenizer, size, mixed, budget), False)
         variants[f"mixed_plain_{size}"] = (batch_of(model, tokenizer, size, mixed, budget), True)
     variants["free_1"] = (batch_of(model, tokenizer, 1, greedy, budget), False)
@@ -100,6 +102,7 @@ def main() -> None:
     ms = {name: statistics.median(t) for name, t in times.items()}
     ratios = {}
     for size in (int(s) for s in args.sizes.split(",")):
+        ratios[f"sampled_vs_greedy_{size}"] = ms[f"greedy_{size}"] / ms[f"sampled_{size}"]
         ratios[f"mixed_vs_greedy_{size}"] = ms[f"greedy_{size}"] / ms[f"mixed_{size}"]
         ratios[f"mixed_plain_vs_greedy_{size}"] = ms[f"greedy_{size}"] / ms[f"mixed_plain_{size}"]
     ratios["json_vs_free_1"] = ms["free_1"] / ms["json_1"]
