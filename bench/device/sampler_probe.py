@@ -1,5 +1,5 @@
 """What a batch's sampling adds to a decode step on this device, with no server around it: the worker's DecodeBatch on
-a model (its projections joined on CUDA, as the worker loads it), timed in alternating blocks of steps in one process:
+a model loaded as the worker loads it (float32 on a CPU, projections joined on CUDA), timed in alternating blocks of steps in one process:
 - `greedy` rows against `sampled` rows (temperature 0.7) and issue 31's `mixed` rows (greedy, temperature 1, top_p, top_k, a repetition and a presence
   penalty, a seed, in turn), and `mixed_plain`: the same rows with the filters' arithmetic and the repetition penalty
   run uncompiled (sampling.cut_points and sampling.repetition as before they were compiled);
@@ -20,16 +20,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import mlx.core as mx  # noqa: E402
-from mlx_lm import load  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from bench.bench_decode import MIX, prompts  # noqa: E402
 from bench.bench_structured import STORY  # noqa: E402
+from bench.bench_text import reexec_with_worker_blas  # noqa: E402
 from jobs.contract import Sampling  # noqa: E402
 from web.structured import grammar_for  # noqa: E402
-from workers.backends import fused, sampling  # noqa: E402
+from workers.backends import sampling  # noqa: E402
 from workers.backends.decoding import DecodeBatch  # noqa: E402
 from workers.backends.grammar import GrammarProcessor  # noqa: E402
+from workers.backends.text import TextBackend  # noqa: E402
 
 COMPILED = ("cut_points", "repetition")
 
@@ -73,8 +74,9 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=5)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    model, tokenizer = load(str(args.model))
-    joined = fused.fuse_projections(model) if mx.default_device() == mx.gpu and mx.cuda.is_available() else 0
+    reexec_with_worker_blas()  # on a CPU, the BLAS the worker picks
+    on_cpu = mx.default_device() == mx.cpu
+    model, tokenizer = TextBackend().load(args.model, float32=on_cpu)  # as the worker: float32 on a CPU, joined on CUDA
     vocab = model.args.vocab_size
     budget = (args.blocks + 1) * (args.steps + 1) + 8
     greedy = lambda i: sampling.row_for(Sampling(temperature=0.0), vocab)  # noqa: E731
@@ -106,7 +108,7 @@ def main() -> None:
         ratios[f"mixed_vs_greedy_{size}"] = ms[f"greedy_{size}"] / ms[f"mixed_{size}"]
         ratios[f"mixed_plain_vs_greedy_{size}"] = ms[f"greedy_{size}"] / ms[f"mixed_plain_{size}"]
     ratios["json_vs_free_1"] = ms["free_1"] / ms["json_1"]
-    report = {"device": str(mx.default_device()), "model": str(args.model), "joined_layers": joined,
+    report = {"device": str(mx.default_device()), "model": str(args.model),
               "steps": args.steps, "blocks": args.blocks, "ms_per_step": ms,
               "blocks_ms": {k: [round(x, 3) for x in v] for k, v in times.items()},
               "tokens_per_s_ratios": ratios, "date": time.strftime("%Y-%m-%d %H:%M")}
