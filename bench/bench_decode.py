@@ -50,17 +50,24 @@ def prompts(tokenizer, n: int) -> list[list[int]]:
     return [tokenizer.encode(f"Request {i}: write a long story about the sea, number {i}.") for i in range(n)]
 
 
-def run_mlxq(model, tokenizer, workload: str, n: int, max_tokens: int) -> float:
-    """Tokens per second of DecodeBatch for n sequences."""
-    vocab = model.args.vocab_size
-    batch = DecodeBatch(model, vocab, set())  # no end of sequence: every sequence runs its budget
+def batch_of(model, tokenizer, n: int, row_of, budget: int, first: int | None = None) -> DecodeBatch:
+    """A DecodeBatch of n sequences with prompts of their own (`prompts`), no end of sequence (each runs its
+    budget), row i's sampling `row_of(i)`; each one's first token its prompt's last, standing in for one drawn
+    before joining (or `first`: one a grammar allows)."""
+    batch = DecodeBatch(model, model.args.vocab_size, set())
     for i, ids in enumerate(prompts(tokenizer, n)):
         cache = make_prompt_cache(model)
         model(mx.array(ids[:-1])[None], cache=cache)
         mx.eval([c.state for c in cache])
-        row = sampling.row_for(Sampling(**settings(workload, i)), vocab)
-        # The prompt's last token stands in for a first token (drawn before joining; not counted here).
-        batch.insert(object(), cache, ids[:-1], ids[-1], max_tokens + 1, row)
+        batch.insert(object(), cache, ids[:-1], ids[-1] if first is None else first, budget, row_of(i))
+    return batch
+
+
+def run_mlxq(model, tokenizer, workload: str, n: int, max_tokens: int) -> float:
+    """Tokens per second of DecodeBatch for n sequences."""
+    vocab = model.args.vocab_size
+    batch = batch_of(model, tokenizer, n, lambda i: sampling.row_for(Sampling(**settings(workload, i)), vocab),
+                     max_tokens + 1)  # (the first token is not counted here)
     began, tokens = time.perf_counter(), 0
     while len(batch):
         out = batch.step()

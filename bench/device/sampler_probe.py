@@ -20,9 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import mlx.core as mx  # noqa: E402
-from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
-from bench.bench_decode import MIX, prompts  # noqa: E402
+from bench.bench_decode import MIX, batch_of  # noqa: E402
 from bench.bench_structured import STORY  # noqa: E402
 from bench.bench_text import reexec_with_worker_blas  # noqa: E402
 from jobs.contract import Sampling  # noqa: E402
@@ -33,19 +32,6 @@ from workers.backends.grammar import GrammarProcessor  # noqa: E402
 from workers.backends.text import TextBackend  # noqa: E402
 
 COMPILED = ("cut_points", "repetition")
-
-
-def batch_of(model, tokenizer, size: int, row_of, budget: int, first: int | None = None) -> DecodeBatch:
-    """A DecodeBatch of `size` sequences with prompts of their own, row i's sampling `row_of(i)`; each one's first
-    token its prompt's last (or `first`: one its grammar allows)."""
-    vocab = model.args.vocab_size
-    batch = DecodeBatch(model, vocab, set())  # no end of sequence: every row runs its budget
-    for i, ids in enumerate(prompts(tokenizer, size)):
-        cache = make_prompt_cache(model)
-        model(mx.array(ids[:-1])[None], cache=cache)
-        mx.eval([c.state for c in cache])
-        batch.insert(object(), cache, ids[:-1], ids[-1] if first is None else first, budget, row_of(i))
-    return batch
 
 
 def block(batch: DecodeBatch, steps: int, plain: bool) -> float:
