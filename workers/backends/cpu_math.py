@@ -88,7 +88,7 @@ def exp_below_max(x: mx.array, top: mx.array) -> mx.array:
     -87, exp(-87) below (~1.6e-38, the least normal float32's neighbour: nothing a sum of such terms notices)."""
     # Clamped at -87, not lower: exp(-88) is a subnormal float32, and x86 computes those ~100 times slower. A
     # sampled row under top_p is -inf but for ~a thousand tokens: at -88 its draw took 29 ms for 8 rows of 49k
-    # on a 2-core CPU instead of 2.3, and every step of such requests paid it.
+    # on a 2-core CPU instead of 1.3, and every step of such requests paid it.
     y = mx.maximum(x - top, -87.0) * (1.0 / 2**_EXP_SQUARINGS)
     p = _EXP_TERMS[0]
     for term in _EXP_TERMS[1:]:
