@@ -21,8 +21,10 @@ issue 31: mlxq sampled and mixed ÷ mlxq greedy, and mlxq ÷ mlx_lm.server and �
 Rounds alternate: within a round every workload runs on every contestant in turn (rotating order),
 one at a time, so none shares the machine with another's work and drift moves all alike; the
 direct engine's KV caches are freed after each of its rounds. Before its rounds, each N and
-workload runs once unmeasured on every contestant: MLX compiles kernels for each new batch shape
-the first time it meets it (up to a second on CUDA), a cost a running service pays once.
+workload runs once unmeasured on every contestant (16 to 23 tokens a request, so rows also leave mid-batch):
+MLX compiles kernels for each new batch shape and kind of work the first time it meets it (up to
+seconds on CUDA), a cost a running service pays once. `--breakdown` adds mlxq's worker's
+milliseconds per step by part (the engine's step, publishing, admission...) to each round.
 Direct mlx-lm's single-stream decode is measured beside each N = 1 round, for the N = 1 ratio.
 
 With `--control` a second mlx_lm.server runs beside the first: how far two identical servers come
@@ -39,6 +41,7 @@ import itertools
 import json
 import os
 import platform
+import re
 import statistics
 import sys
 import threading
@@ -148,25 +151,63 @@ def cpu_now(server) -> dict[str, float]:
     return used
 
 
-def round_of(server, workload: str, n: int, max_tokens: int, temperature: float) -> dict:
+def round_of(server, workload: str, n: int, max_tokens: int, temperature: float, stagger: int = 0) -> dict:
     """N streams of one workload at once against one server; its aggregate figures, and the CPU seconds
-    each process used during the round (a process near 1 s per second of wall time is the limit)."""
+    each process used during the round (a process near 1 s per second of wall time is the limit). With
+    `stagger`, request i asks for `max_tokens + i % stagger` tokens: rows leave the batch at different steps."""
     results: dict[int, dict] = {}
+    worker_log = next((proc.log for proc in server.procs if proc.name.endswith("worker")), None)
+    log_from = worker_log.stat().st_size if BREAKDOWN and worker_log is not None else 0
     cpu_before = cpu_now(server)
     started = time.perf_counter()
     threads = [threading.Thread(target=one_stream, args=(server.base, server.model, i,
                                                          sampling_fields(workload, i, temperature),
-                                                         max_tokens, started, results))
+                                                         max_tokens + (i % stagger if stagger else 0), started,
+                                                         results))
                for i in range(n)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(900)
     out = figures(n, started, results)
+    if BREAKDOWN and worker_log is not None:
+        out["worker_ms_per_step"] = worker_breakdown(worker_log, log_from)
     cpu_after = cpu_now(server)
     out["cpu_per_wall"] = {name: (cpu_after[name] - cpu_before[name]) / out["wall_s"] if out["wall_s"] > 0 else None
                            for name in cpu_before}
     return out
+
+
+BREAKDOWN = False
+"""`--breakdown`: mlxq's workers log at DEBUG level, and each round reports where its worker's steps went."""
+
+SPENT = re.compile(r"the loop over [\d.]+ s(?: \(until idle\))?: (\d+) batch steps of ([\d.]+) sequences on average; ms per step: (.*)$")
+
+
+def worker_breakdown(log: Path, offset: int, wait_s: float = 5.0) -> dict | None:
+    """Milliseconds per batch step by part (workers/scheduler.py's DEBUG summaries: the engine's step, publishing,
+    admission...) over the worker's summaries logged since `offset`, weighted by their steps; `sequences` the
+    average batch. The worker logs one when its last request ends, a moment after the client's last token."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        with open(log, "rb") as f:
+            f.seek(offset)
+            lines = f.read().decode("utf-8", "replace").splitlines()
+        found = [m for m in map(SPENT.search, lines) if m]
+        if any("(until idle)" in m.group(0) for m in found) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    steps, total, rows = 0, {}, 0.0
+    for m in found:
+        n = int(m.group(1))
+        steps += n
+        rows += n * float(m.group(2))
+        for part in m.group(3).split(", "):
+            name, ms = part.rsplit(" ", 1)
+            total[name] = total.get(name, 0.0) + n * float(ms)
+    if not steps:
+        return None
+    return {"steps": steps, "sequences": round(rows / steps, 1), **{k: round(v / steps, 3) for k, v in total.items()}}
 
 
 def figures(n: int, started: float, results: dict[int, dict]) -> dict:
@@ -242,14 +283,14 @@ def shared_sampler(workload: str, temperature: float):
     return make_sampler(temp=0.7, top_p=0.9)
 
 
-def run_round(contestant, workload: str, n: int, max_tokens: int, temperature: float) -> dict:
-    """One round of a workload on a server (over HTTP) or on the direct engine."""
+def run_round(contestant, workload: str, n: int, max_tokens: int, temperature: float, stagger: int = 0) -> dict:
+    """One round of a workload on a server (over HTTP, `stagger`: round_of's) or on the direct engine."""
     global ROUND_TAG
     if not REPEAT_PROMPTS:
         ROUND_TAG = f" of round {next(ROUNDS)}"
     if isinstance(contestant, DirectBatch):
         return contestant.round(workload, n, max_tokens, temperature)
-    return round_of(contestant, workload, n, max_tokens, temperature)
+    return round_of(contestant, workload, n, max_tokens, temperature, stagger)
 
 
 def combine(runs: list[dict]) -> dict:
@@ -266,6 +307,10 @@ def combine(runs: list[dict]) -> dict:
         out["cpu_per_wall"] = {name: statistics.median(c[name] for c in cpu if c.get(name) is not None)
                                for name in cpu[0]}
     out["each_round"] = [{k: r[k] for k in ("aggregate_tps", "ttft_p50_s", "failed")} for r in runs]
+    parts = [r["worker_ms_per_step"] for r in runs if r.get("worker_ms_per_step")]
+    if parts:  # --breakdown: each part's median over the rounds (a part missing from a round counts 0 there)
+        names = {name for p in parts for name in p}
+        out["worker_ms_per_step"] = {name: statistics.median(p.get(name, 0.0) for p in parts) for name in sorted(names)}
     return out
 
 
@@ -311,6 +356,9 @@ def summary(report: dict) -> str:
                 lines.append(f"{workload:9} {n:>3} {name:16} {num(c['aggregate_tps']):>8} {num(c['ttft_p50_s'], 3):>9} "
                              f"{num(c['ttft_p99_s'], 3):>9} {c['failed']:>6}  "
                              f"{[round(x['aggregate_tps']) for x in c['each_round']]} {c['errors'][:1] or ''}")
+                if c.get("worker_ms_per_step"):
+                    lines.append(f"{'':9} {'':>3} {'':16} worker ms per step: " + ", ".join(
+                        f"{k} {v:.2f}" for k, v in sorted(c["worker_ms_per_step"].items(), key=lambda kv: -kv[1])))
                 if c.get("cpu_per_wall"):
                     lines.append(f"{'':9} {'':>3} {'':16} CPU s per s: " + ", ".join(
                         f"{k.removeprefix(name + '-')} {num(v, 2)}" for k, v in c["cpu_per_wall"].items()))
@@ -334,7 +382,9 @@ def measure(contestants: list, workloads: list[str], counts: list[int], args, si
     for n in counts:
         for workload in workloads:
             for c in contestants:
-                run_round(c, workload, n, 16, args.temperature)  # this N's batch shapes, compiled before they are timed
+                # This N's batch shapes, compiled before they are timed, and rows leaving a batch mid-way (the cut of its
+                # caches): on a fresh CUDA machine each first sight of such work stalled a measured round for seconds.
+                run_round(c, workload, n, 16, args.temperature, stagger=8)
         rounds = {(w, c.name): [] for w in workloads for c in contestants}
         for r in range(args.rounds):
             if n == 1:
@@ -401,11 +451,14 @@ def parse_args() -> argparse.Namespace:
                         help="mlxq's gunicorn processes (default: `mlxq up`'s, half the cores, 2 to 8)")
     parser.add_argument("--repeat-prompts", action="store_true",
                         help="the same prompts every round (prompt-cache hits after the first); default: new ones each round")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="mlxq's workers log at DEBUG level; each round reports its worker's milliseconds per step "
+                             "by part (the engine, publishing, admission...)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     args.also_stream_interval_ms = None  # (bench_text's shorthand, read by other_mlxq_settings)
-    global SAMPLED_TOP_P, REPEAT_PROMPTS
-    SAMPLED_TOP_P, REPEAT_PROMPTS = args.top_p, args.repeat_prompts
+    global SAMPLED_TOP_P, REPEAT_PROMPTS, BREAKDOWN
+    SAMPLED_TOP_P, REPEAT_PROMPTS, BREAKDOWN = args.top_p, args.repeat_prompts, args.breakdown
     unknown = set(args.workloads.split(",")) - set(WORKLOADS)
     if unknown:
         parser.error(f"--workloads: unknown {', '.join(sorted(unknown))} (choose from {', '.join(WORKLOADS)})")
@@ -431,11 +484,12 @@ def main() -> None:
         single = Direct(model_dir)
         single.decode(16)  # warm-up
         WATCHED["redis"] = redis_proc.process.pid
-        servers = [start_mlxq(model_dir, redis_url, web_workers=args.web_workers)]
+        debug = {"MLXQ_LOG_LEVEL": "DEBUG"} if args.breakdown else None
+        servers = [start_mlxq(model_dir, redis_url, worker_env=debug, web_workers=args.web_workers)]
         for db, env in enumerate(other_mlxq_settings(args), start=1):
             # Its own Redis database: two workers on one queue would take each other's jobs.
             servers.append(start_mlxq(model_dir, f"{redis_url.rsplit('/', 1)[0]}/{db}", mlxq_name(env), env,
-                                      web_workers=args.web_workers))
+                                      worker_env=debug, web_workers=args.web_workers))
         if args.server:
             servers.append(start_mlx_lm_server(model_dir))
         if args.control:

@@ -163,11 +163,13 @@ class Scheduler:
         return True
 
     def _log_spent(self, began: float, busy: bool) -> None:
-        """At DEBUG level, every LOG_SPENT_EVERY_S: where the loop's time went while text decoded, per step."""
+        """At DEBUG level, every LOG_SPENT_EVERY_S and when the last request ends: where the loop's time went while
+        text decoded, per step."""
         now = time.monotonic()
         if busy:
             self._spent["loop"] += now - began
-        if now - self._spent_since < LOG_SPENT_EVERY_S:
+        idle = busy and not self._running  # the last request ended: a summary of the burst (bench_concurrency's --breakdown)
+        if now - self._spent_since < LOG_SPENT_EVERY_S and not idle:
             return
         spent = self._spent + sum((batch.spent for batch in self.text.values()), Counter())
         for batch in self.text.values():
@@ -176,8 +178,8 @@ class Scheduler:
         if steps:
             rows = spent.pop("rows", 0)
             parts = ", ".join(f"{name} {1000 * seconds / steps:.2f}" for name, seconds in spent.most_common())
-            log.debug("the loop over %.1f s: %d batch steps of %.1f sequences on average; ms per step: %s",
-                      now - self._spent_since, steps, rows / steps, parts)
+            log.debug("the loop over %.1f s%s: %d batch steps of %.1f sequences on average; ms per step: %s",
+                      now - self._spent_since, " (until idle)" if idle else "", steps, rows / steps, parts)
         self._spent, self._spent_since = Counter(), now
 
     def _models_in_use(self) -> set[str]:
