@@ -16,6 +16,15 @@ from workers.backends.sampling import BatchSampler, Row
 PROBS = [0.5, 0.3, 0.15, 0.05]
 
 
+@pytest.fixture(params=["host", "mlx"])
+def draw_path(request, monkeypatch):
+    """A test that draws, twice: sampled rows drawing on the host (numpy, a CPU's way) and in MLX (a GPU's, run
+    here on the CPU)."""
+    if request.param == "mlx":
+        monkeypatch.setattr(sampling.cpu_math, "on_cpu", lambda: False)
+    return request.param
+
+
 def logprobs(probs, rows: int = 1) -> mx.array:
     return mx.log(mx.array([probs] * rows, mx.float32))
 
@@ -27,7 +36,7 @@ def draws(row: Row, probs, n: int) -> list[int]:
     return [batch.sample(logprobs(probs)).item() for _ in range(n)]
 
 
-def test_draws_follow_the_distribution_and_the_temperature():
+def test_draws_follow_the_distribution_and_the_temperature(draw_path):
     # Twenty rows drawing 400 times each, in one batch (a sampling call per step, not per draw): ten at
     # temperature 1, ten at 0.5, which squares the probabilities (renormalized): the likeliest gains.
     sharp = np.array(PROBS) ** 2 / sum(p * p for p in PROBS)
@@ -51,12 +60,12 @@ def test_draws_follow_the_distribution_and_the_temperature():
     (Row(temperature=1.0, min_p=0.25, seed=6), {0, 1, 2}),  # at least 0.25 x 0.5
     (Row(temperature=1.0, top_k=3, top_p=0.85, min_p=0.5, seed=7), {0, 1}),  # every filter at once
 ])
-def test_filters_keep_only_what_they_allow(row, allowed):
+def test_filters_keep_only_what_they_allow(row, allowed, draw_path):
     seen = set(draws(row, PROBS, 400))
     assert seen == allowed
 
 
-def test_greedy_rows_take_the_argmax_beside_sampled_rows():
+def test_greedy_rows_take_the_argmax_beside_sampled_rows(draw_path):
     batch = BatchSampler(4)
     batch.extend([Row(), Row(temperature=1.0, seed=9), Row(), Row(temperature=1.5, top_k=3, seed=10)], [[]] * 4)
     rows = mx.log(mx.array([PROBS, PROBS, PROBS[::-1], PROBS], mx.float32))
@@ -65,7 +74,7 @@ def test_greedy_rows_take_the_argmax_beside_sampled_rows():
         assert tokens[0] == 0 and tokens[2] == 3 and tokens[3] != 3
 
 
-def test_a_seeded_row_draws_the_same_alone_and_in_any_batch():
+def test_a_seeded_row_draws_the_same_alone_and_in_any_batch(draw_path):
     seeded = Row(temperature=1.0, top_p=0.9, seed=42)
     alone = draws(seeded, PROBS, 50)
     batch = BatchSampler(4)
@@ -81,13 +90,13 @@ def test_a_seeded_row_draws_the_same_alone_and_in_any_batch():
     assert draws(Row(temperature=1.0, top_p=0.9, seed=43), PROBS, 50) != alone
 
 
-def test_choices_of_one_seeded_request_draw_differently():
+def test_choices_of_one_seeded_request_draw_differently(draw_path):
     request = Sampling(temperature=1.0, seed=5)
     first, second = (sampling.row_for(request, 4, offset) for offset in (0, 1))
     assert draws(first, PROBS, 30) != draws(second, PROBS, 30)
 
 
-def test_logit_bias_bans_and_forces():
+def test_logit_bias_bans_and_forces(draw_path):
     batch = BatchSampler(4)
     batch.extend([Row(logit_bias=((0, -100.0),)), Row(temperature=1.0, logit_bias=((3, 100.0),), seed=1), Row()],
                  [[]] * 3)
@@ -138,7 +147,7 @@ def test_grammar_masks_apply_to_their_rows_only():
     assert [math.isinf(v) for v in out[1].tolist()] == [True, True, False, True]
 
 
-def test_top_p_chooses_among_the_candidates_only_and_top_k_widens_them(monkeypatch):
+def test_top_p_chooses_among_the_candidates_only_and_top_k_widens_them(monkeypatch, draw_path):
     monkeypatch.setattr(sampling, "CANDIDATES", 2)  # as 1024 of a real vocabulary
     assert set(draws(Row(temperature=1.0, top_p=0.7, seed=8), PROBS, 300)) == {0, 1}
     assert set(draws(Row(temperature=1.0, top_p=0.95, seed=9), PROBS, 300)) == {0, 1}  # the nucleus is cut there
@@ -195,7 +204,7 @@ def test_the_filters_threshold_is_the_keep_th_likeliest_token():
     assert mx.allclose(mx.exp(out), mx.array([0.2, 0.3, 0.2, 0.4])).item()
 
 
-def test_a_filtered_row_draws_among_its_own_candidates_whatever_its_neighbours_ask():
+def test_a_filtered_row_draws_among_its_own_candidates_whatever_its_neighbours_ask(draw_path):
     # A vocabulary wider than CANDIDATES: a top_p row draws only among its CANDIDATES likeliest tokens, and a
     # neighbour with a top_k wider than that does not change what the seeded top_p row draws (its filters were
     # computed over the neighbour's wider candidates, and its nucleus cut elsewhere).
@@ -213,3 +222,21 @@ def test_a_filtered_row_draws_among_its_own_candidates_whatever_its_neighbours_a
     alone = run([top_p])
     assert set(alone) <= likeliest and len(set(alone)) > 30
     assert run([top_p, Row(temperature=1.0, top_k=2 * sampling.CANDIDATES, seed=12)]) == alone
+
+
+def test_the_host_draws_what_mlx_draws():
+    # Sixty-four rows of every kind on peaked random distributions of a 3,000-token vocabulary (candidates 1,024):
+    # the numpy draw and MLX's pick the same tokens but where the two exps round a uniform across a boundary.
+    vocab, rows = 3000, [Row(), Row(temperature=1.0, seed=1), Row(temperature=0.7, top_p=0.9, seed=2),
+                         Row(temperature=1.0, top_k=40, seed=3), Row(temperature=0.8, min_p=0.05, seed=4),
+                         Row(temperature=1.3, top_k=1500, top_p=0.95, seed=5)] * 11
+    host, device = BatchSampler(vocab, host=True), BatchSampler(vocab, host=False)
+    for batch in (host, device):
+        batch.extend(rows[:64], [[]] * 64)
+    same = total = 0
+    for step in range(10):
+        logits = 4 * mx.random.normal((64, vocab), key=mx.random.key(step))
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        a, b = host.sample(logprobs).tolist(), device.sample(logprobs).tolist()
+        same, total = same + sum(x == y for x, y in zip(a, b, strict=True)), total + 64
+    assert same >= 0.99 * total, (same, total)
