@@ -55,7 +55,10 @@ def main() -> None:
     parts = {"free": [], "json_schema": []}
     try:
         for fmt in (None, STORY):  # warm both paths (the grammar's tokenizer view is built once per model)
+            offset = worker_log.stat().st_size
             decode(server.client, server.model, 8, fmt)
+            if args.breakdown:  # its summary is logged a moment after its last token: not the first run's
+                worker_breakdown(worker_log, offset)
         for _ in range(args.rounds):
             for name, fmt in (("free", None), ("json_schema", STORY)):
                 offset = worker_log.stat().st_size

@@ -3,9 +3,14 @@ a model loaded as the worker loads it (float32 on a CPU, projections joined on C
 - `greedy` rows against `sampled` rows (temperature 0.7) and issue 31's `mixed` rows (greedy, temperature 1, top_p, top_k, a repetition and a presence
   penalty, a seed, in turn), and `mixed_plain`: the same rows with the filters' arithmetic and the repetition penalty
   run uncompiled (sampling.cut_points and sampling.repetition as before they were compiled);
-- one row under bench_structured's JSON schema (`json_1`) against one free greedy row (`free_1`).
+- one row under bench_structured's JSON schema (`json_1`) against one free greedy row (`free_1`); with
+  `--grammar-parts`, what of the difference is whose: `free_read_1` reads its tokens back each step as a grammar's
+  row does (its forward pass queued first) but applies no mask, `json_fixed_1` applies the same all-allowing mask
+  every step (no llguidance), so json_1 - json_fixed_1 is llguidance's mask, json_fixed_1 - free_read_1 the mask's
+  upload and application, free_read_1 - free_1 the read-back; `json_fixed_plain_1` applies it uncompiled.
 
-    python bench/device/sampler_probe.py --model DIR [--sizes 32,64] [--steps 30] [--blocks 5] [--out F]
+    python bench/device/sampler_probe.py --model DIR [--sizes 32,64] [--steps 30] [--blocks 5] [--grammar-parts]
+        [--out F]
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
 
 from bench.bench_decode import MIX, batch_of  # noqa: E402
 from bench.bench_structured import STORY  # noqa: E402
@@ -31,7 +37,20 @@ from workers.backends.decoding import DecodeBatch  # noqa: E402
 from workers.backends.grammar import GrammarProcessor  # noqa: E402
 from workers.backends.text import TextBackend  # noqa: E402
 
-COMPILED = ("cut_points", "repetition")
+COMPILED = ("cut_points", "repetition", "allowed_only")
+
+
+class Fixed:
+    """A grammar's stand-in: the same mask every step (`words`, packed as GrammarProcessor's), or None (any token)."""
+
+    error = None
+
+    def __init__(self, words):
+        self.words = words
+
+    def mask_words(self, last):
+        """The mask, whatever the last token."""
+        return self.words
 
 
 def block(batch: DecodeBatch, steps: int, plain: bool) -> float:
@@ -58,6 +77,8 @@ def main() -> None:
     parser.add_argument("--sizes", default="32,64")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--blocks", type=int, default=5)
+    parser.add_argument("--grammar-parts", action="store_true",
+                        help="also free_read_1 and json_fixed_1: the parts of a constrained row's step")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     reexec_with_worker_blas()  # on a CPU, the BLAS the worker picks
@@ -79,6 +100,12 @@ def main() -> None:
         variants[f"mixed_plain_{size}"] = (batch_of(model, tokenizer, size, mixed, budget), True)
     variants["free_1"] = (batch_of(model, tokenizer, 1, greedy, budget), False)
     variants["json_1"] = (batch_of(model, tokenizer, 1, constrained, budget, tokenizer.encode("{")[-1]), False)
+    if args.grammar_parts:
+        words = np.full(-(-vocab // 32), 0xFFFFFFFF, np.uint32)
+        for name, stand_in in (("free_read_1", Fixed(None)), ("json_fixed_1", Fixed(words))):
+            row = lambda i, g=stand_in: sampling.row_for(Sampling(temperature=0.0), vocab, grammar=g)  # noqa: E731
+            variants[name] = (batch_of(model, tokenizer, 1, row, budget), False)
+        variants["json_fixed_plain_1"] = (batch_of(model, tokenizer, 1, row, budget), True)  # (row: json_fixed_1's)
     for batch, plain in variants.values():  # first sight of each kind of work: kernels built, not timed
         block(batch, 2, plain)
     times = {name: [] for name in variants}
@@ -94,6 +121,11 @@ def main() -> None:
         ratios[f"mixed_vs_greedy_{size}"] = ms[f"greedy_{size}"] / ms[f"mixed_{size}"]
         ratios[f"mixed_plain_vs_greedy_{size}"] = ms[f"greedy_{size}"] / ms[f"mixed_plain_{size}"]
     ratios["json_vs_free_1"] = ms["free_1"] / ms["json_1"]
+    if args.grammar_parts:
+        ratios["ms_llguidance"] = ms["json_1"] - ms["json_fixed_1"]
+        ratios["ms_mask_applied"] = ms["json_fixed_1"] - ms["free_read_1"]
+        ratios["ms_read_back"] = ms["free_read_1"] - ms["free_1"]
+        ratios["ms_mask_compiled_saves"] = ms["json_fixed_plain_1"] - ms["json_fixed_1"]
     report = {"device": str(mx.default_device()), "model": str(args.model),
               "steps": args.steps, "blocks": args.blocks, "ms_per_step": ms,
               "blocks_ms": {k: [round(x, 3) for x in v] for k, v in times.items()},

@@ -154,6 +154,16 @@ def test_top_p_chooses_among_the_candidates_only_and_top_k_widens_them(monkeypat
     assert set(draws(Row(temperature=1.0, top_k=3, seed=10), PROBS, 300)) == {0, 1, 2}
 
 
+def test_masks_of_every_row_apply_word_by_word():
+    # Every row masked and a vocabulary of whole words: the one-kernel path (allowed_only), bit i of word w for
+    # token 32 * w + i.
+    words = np.zeros((2, 2), np.uint32)
+    words[0, 0], words[0, 1], words[1, 1] = 0b1001, 1 << 31, 0xFFFFFFFF
+    out = sampling.masked(mx.ones((2, 64)), [0, 1], words)
+    assert [i for i, v in enumerate(out[0].tolist()) if not math.isinf(v)] == [0, 3, 63]
+    assert [i for i, v in enumerate(out[1].tolist()) if not math.isinf(v)] == list(range(32, 64))
+
+
 def test_a_mask_narrower_than_the_output_disallows_the_rest():
     words = np.full((1, 1), 0xFFFFFFFF, np.uint32)  # a grammar over 32 tokens, all allowed
     out = sampling.masked(mx.zeros((1, 40)), [0], words)
@@ -164,7 +174,7 @@ def test_the_compiled_steps_serve_every_batch_size_from_one_trace():
     # On a GPU the draw and the penalties run compiled; rows come and go, and a compile per batch size was
     # rebuilt at each new one (seconds on CUDA). Compiled for every size, they trace once and compute what
     # the plain functions do.
-    compiled = (sampling.draw, sampling.penalties, sampling.repetition, sampling.cut_points)
+    compiled = (sampling.draw, sampling.penalties, sampling.repetition, sampling.cut_points, sampling.allowed_only)
     vocab, before = 500, [fn.traces for fn in compiled]
     for rows in (3, 5, 2):
         logprobs = mx.log(mx.softmax(mx.random.normal((rows, vocab), key=mx.random.key(rows)), axis=-1))
@@ -182,6 +192,9 @@ def test_the_compiled_steps_serve_every_batch_size_from_one_trace():
             args = (logprobs[:, :width] if width < vocab else logprobs, mx.array([0.9, 0.3, 1.0, 0.5, 0.99][:rows]),
                     mx.array([7, 400, 1, 50, 500][:rows], mx.int32), mx.array([0.0, 0.05, 0.0, 0.2, 0.0][:rows]))
             assert mx.array_equal(sampling.cut_points.compiled(*args), sampling.cut_points(*args)).item()
+        words = mx.random.randint(0, 2**31, (rows, 16, 1), key=mx.random.key(rows)).astype(mx.uint32)
+        args = (mx.random.normal((rows, 16, 32), key=mx.random.key(rows)), words, sampling._BITS)
+        assert mx.array_equal(sampling.allowed_only.compiled(*args), sampling.allowed_only(*args)).item()
     assert [fn.traces for fn in compiled] == [n + 1 for n in before]
 
 
