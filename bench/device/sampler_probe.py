@@ -1,6 +1,7 @@
 """What a batch's sampling adds to a decode step on this device, with no server around it: the worker's DecodeBatch on
 a model loaded as the worker loads it (float32 on a CPU, projections joined on CUDA), timed in alternating blocks of steps in one process:
-- `greedy` rows against `sampled` rows (temperature 0.7) and issue 31's `mixed` rows (greedy, temperature 1, top_p, top_k, a repetition and a presence
+- `greedy` rows against `sampled` rows (`--temperature`, 0.7, and `--top-p`, none, by default; on a CPU also
+  `sampled_mlx`: the same rows drawing with MLX's kernels instead of the host's numpy) and issue 31's `mixed` rows (greedy, temperature 1, top_p, top_k, a repetition and a presence
   penalty, a seed, in turn), and `mixed_plain`: the same rows with the filters' arithmetic and the repetition penalty
   run uncompiled (sampling.cut_points and sampling.repetition as before they were compiled);
 - one row under bench_structured's JSON schema (`json_1`) against one free greedy row (`free_1`); with
@@ -79,6 +80,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=5)
     parser.add_argument("--grammar-parts", action="store_true",
                         help="also free_read_1 and json_fixed_1: the parts of a constrained row's step")
+    parser.add_argument("--temperature", type=float, default=0.7, help="the sampled rows' (default 0.7)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="the sampled rows' (default 1: none)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     reexec_with_worker_blas()  # on a CPU, the BLAS the worker picks
@@ -87,7 +90,7 @@ def main() -> None:
     vocab = model.args.vocab_size
     budget = (args.blocks + 1) * (args.steps + 1) + 8
     greedy = lambda i: sampling.row_for(Sampling(temperature=0.0), vocab)  # noqa: E731
-    sampled = lambda i: sampling.row_for(Sampling(temperature=0.7), vocab)  # noqa: E731
+    sampled = lambda i: sampling.row_for(Sampling(temperature=args.temperature, top_p=args.top_p), vocab)  # noqa: E731
     mixed = lambda i: sampling.row_for(Sampling(**MIX[i % len(MIX)]), vocab)  # noqa: E731
     grammar = grammar_for(STORY)
     constrained = lambda i: sampling.row_for(Sampling(temperature=0.0), vocab,  # noqa: E731
@@ -96,6 +99,9 @@ def main() -> None:
     for size in (int(s) for s in args.sizes.split(",")):
         variants[f"greedy_{size}"] = (batch_of(model, tokenizer, size, greedy, budget), False)
         variants[f"sampled_{size}"] = (batch_of(model, tokenizer, size, sampled, budget), False)
+        if on_cpu:  # the same rows drawing with MLX's kernels, as on a GPU (the host's numpy draw is a CPU's default)
+            variants[f"sampled_mlx_{size}"] = (batch_of(model, tokenizer, size, sampled, budget), False)
+            variants[f"sampled_mlx_{size}"][0].sampler.host = False
         variants[f"mixed_{size}"] = (batch_of(model, tokenizer, size, mixed, budget), False)
         variants[f"mixed_plain_{size}"] = (batch_of(model, tokenizer, size, mixed, budget), True)
     variants["free_1"] = (batch_of(model, tokenizer, 1, greedy, budget), False)
@@ -118,6 +124,8 @@ def main() -> None:
     ratios = {}
     for size in (int(s) for s in args.sizes.split(",")):
         ratios[f"sampled_vs_greedy_{size}"] = ms[f"greedy_{size}"] / ms[f"sampled_{size}"]
+        if on_cpu:
+            ratios[f"sampled_mlx_vs_greedy_{size}"] = ms[f"greedy_{size}"] / ms[f"sampled_mlx_{size}"]
         ratios[f"mixed_vs_greedy_{size}"] = ms[f"greedy_{size}"] / ms[f"mixed_{size}"]
         ratios[f"mixed_plain_vs_greedy_{size}"] = ms[f"greedy_{size}"] / ms[f"mixed_plain_{size}"]
     ratios["json_vs_free_1"] = ms["free_1"] / ms["json_1"]
