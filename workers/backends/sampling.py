@@ -161,13 +161,15 @@ class BatchSampler:
             for i, r in enumerate(rows):
                 if r.filtered:
                     widths.setdefault(min(self.vocab, max(CANDIDATES, r.top_k)), []).append(i)
-            self._settings["filtered"] = [{
-                "rows": mx.array(members, mx.int32), "width": width,
-                "top_p": mx.array([rows[i].top_p for i in members], mx.float32),
-                "top_k": mx.array([rows[i].top_k or self.vocab for i in members], mx.int32),
-                "min_p": mx.array([rows[i].min_p for i in members], mx.float32),
-                "members": np.array(members, np.intp),
-            } for width, members in sorted(widths.items())]
+            self._settings["filtered"] = []
+            for width, members in sorted(widths.items()):
+                top_p = np.array([rows[i].top_p for i in members], np.float32)
+                top_k = np.array([rows[i].top_k or self.vocab for i in members], np.int32)
+                min_p = np.array([rows[i].min_p for i in members], np.float32)
+                self._settings["filtered"].append({
+                    "rows": mx.array(members, mx.int32), "width": width, "top_p": mx.array(top_p),
+                    "top_k": mx.array(top_k), "min_p": mx.array(min_p),
+                    "members": np.array(members, np.intp), "filters_host": (top_p, top_k, min_p)})
             # Sampled rows without filters: they draw over the whole vocabulary (host_draw's second kind).
             self._settings["unfiltered"] = np.array([i for i, r in enumerate(rows) if r.temperature > 0
                                                      and not r.filtered], np.intp)
@@ -396,7 +398,7 @@ def host_draw(logprobs: np.ndarray, settings: dict, uniform: np.ndarray) -> np.n
                    else np.broadcast_to(np.arange(vocab), rows.shape))
             candidates = np.take_along_axis(rows, ids, axis=-1)
             ordered = np.sort(candidates, axis=-1)[:, ::-1]
-            floor = _cut_points(ordered, np.array(group["top_p"]), np.array(group["top_k"]), np.array(group["min_p"]))
+            floor = _cut_points(ordered, *group["filters_host"])
             scaled = np.where(candidates >= floor[:, None], candidates * inverse[members, None], -np.inf)
             tokens[members] = np.take_along_axis(ids, _inverted(scaled, uniform[members])[:, None], axis=-1)[:, 0]
         rows = settings["unfiltered"]
