@@ -204,16 +204,15 @@ class BatchSampler:
         self.drawn = [n + 1 for n in self.drawn]
         if not settings["any_sampled"]:  # greedy only: nothing to draw
             return mx.argmax(logprobs, axis=-1).astype(mx.uint32)
+        uniform = uniforms(settings["seed_lo"], settings["seed_hi"], drawn)
         if self.host:
-            return mx.array(host_draw(np.array(logprobs.astype(mx.float32)), settings,
-                                      uniforms(settings["seed_lo"], settings["seed_hi"], drawn)))
+            return mx.array(host_draw(np.array(logprobs.astype(mx.float32)), settings, uniform))
         floor = settings["floor"]
         for group in settings["filtered"]:
             rows = group["rows"]
             kept = thresholds(logprobs[rows], group["top_p"], group["top_k"], group["min_p"], group["width"])
             floor = _put(floor, rows, kept)
-        return draw(logprobs, settings["inverse"], settings["sampled"],
-                    mx.array(uniforms(settings["seed_lo"], settings["seed_hi"], drawn)), floor)
+        return draw(logprobs, settings["inverse"], settings["sampled"], mx.array(uniform), floor)
 
 
 def _joined(current: mx.array | None, old: int, fresh: mx.array) -> mx.array:
