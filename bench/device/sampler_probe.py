@@ -1,29 +1,22 @@
 """What a batch's sampling adds to a decode step on this device, with no server around it: the worker's DecodeBatch on
 a model loaded as the worker loads it (float32 on a CPU, projections joined on CUDA), timed in alternating blocks of steps in one process:
-- `greedy` rows against `sampled` rows (`--temperature`, 0.7, and `--top-p`, none, by default) and issue 31's `mixed`
-  rows (greedy, temperature 1, top_p, top_k, a repetition and a presence penalty, a seed, in turn), and `mixed_plain`:
-  the same rows with the filters' arithmetic and the repetition penalty run uncompiled (sampling.cut_points and
-  sampling.repetition as before they were compiled); on a CPU or a CUDA GPU also `sampled_mlx` (and on CUDA
-  `mixed_mlx`): the same rows drawing with MLX's ops instead of the device's own draw (the host's numpy on a CPU,
-  one kernel on CUDA: workers/backends/cuda_draw.py);
+- `greedy` rows against `sampled` rows (`--temperature`, 0.7, and `--top-p`, none, by default; on a CPU also
+  `sampled_mlx`: the same rows drawing with MLX's kernels instead of the host's numpy) and issue 31's `mixed` rows (greedy, temperature 1, top_p, top_k, a repetition and a presence
+  penalty, a seed, in turn), and `mixed_plain`: the same rows with the filters' arithmetic and the repetition penalty
+  run uncompiled (sampling.cut_points and sampling.repetition as before they were compiled);
 - one row under bench_structured's JSON schema (`json_1`) against one free greedy row (`free_1`); with
   `--grammar-parts`, what of the difference is whose: `free_read_1` reads its tokens back each step as a grammar's
   row does (its forward pass queued first) but applies no mask, `json_fixed_1` applies the same all-allowing mask
   every step (no llguidance), so json_1 - json_fixed_1 is llguidance's mask, json_fixed_1 - free_read_1 the mask's
   upload and application, free_read_1 - free_1 the read-back; `json_fixed_plain_1` applies it uncompiled.
 
-With `--check-draw` (CUDA) it first checks the one-kernel draw against MLX's on random log-probabilities (bfloat16
-and float32, peaked and flat), rows of every kind in MIX with the same seeds: the share of draws picking the same
-token per kind, and each draw's time alone. `--check-only` stops there (no model needed).
-
     python bench/device/sampler_probe.py --model DIR [--sizes 32,64] [--steps 30] [--blocks 5] [--grammar-parts]
-        [--check-draw [--check-only] [--vocab 128256]] [--out F]
+        [--out F]
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -40,7 +33,7 @@ from bench.bench_structured import STORY  # noqa: E402
 from bench.bench_text import reexec_with_worker_blas  # noqa: E402
 from jobs.contract import Sampling  # noqa: E402
 from web.structured import grammar_for  # noqa: E402
-from workers.backends import cuda_draw, sampling  # noqa: E402
+from workers.backends import sampling  # noqa: E402
 from workers.backends.decoding import DecodeBatch  # noqa: E402
 from workers.backends.grammar import GrammarProcessor  # noqa: E402
 from workers.backends.text import TextBackend  # noqa: E402
@@ -78,43 +71,6 @@ def block(batch: DecodeBatch, steps: int, plain: bool) -> float:
             setattr(sampling, name, fn)
 
 
-def mlx_drawn(batch: DecodeBatch) -> DecodeBatch:
-    """The batch with its rows drawing with MLX's ops (not the host's numpy on a CPU, nor one kernel on CUDA)."""
-    batch.sampler.host = batch.sampler.fused = False
-    batch.sampler._settings = {}
-    return batch
-
-
-def check_draw(vocab: int, size: int = 64, steps: int = 60) -> dict:
-    """The one-kernel CUDA draw against MLX's on the same log-probabilities and uniforms: per MIX kind, the share of
-    draws that picked the same token; milliseconds a draw of `size` rows (each alone, evaluated, median of 20)."""
-    rows = [dataclasses.replace(sampling.row_for(Sampling(**MIX[i % len(MIX)]), vocab), seed=i) for i in range(size)]
-    kernel = sampling.BatchSampler(vocab, host=False, fused=True)
-    plain = sampling.BatchSampler(vocab, host=False, fused=False)
-    for sampler in (kernel, plain):
-        sampler.extend(rows, [[] for _ in rows])
-    same, key = np.zeros(size), mx.random.key(31)
-    for step in range(steps):
-        key, sub = mx.random.split(key)
-        logits = mx.random.normal((size, vocab), key=sub) * (1.0 + 7.0 * (step % 4) / 3)  # flat to peaked
-        logits = logits.astype(mx.bfloat16 if step % 2 else mx.float32)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        same += np.array(kernel.sample(logprobs)) == np.array(plain.sample(logprobs))
-    kinds = {}
-    for i in range(size):
-        kinds.setdefault(json.dumps(MIX[i % len(MIX)], sort_keys=True), []).append(same[i] / steps)
-    ms = {}
-    for name, sampler in (("kernel", kernel), ("mlx", plain)):
-        times = []
-        for _ in range(21):
-            began = time.perf_counter()
-            mx.eval(sampler.sample(logprobs))
-            times.append(1000 * (time.perf_counter() - began))
-        ms[name] = statistics.median(times[1:])
-    return {"same_token_share": {k: round(statistics.mean(v), 4) for k, v in kinds.items()},
-            "overall": round(float(same.sum() / (size * steps)), 4), "ms_per_draw": ms, "rows": size, "vocab": vocab}
-
-
 def main() -> None:
     """Build every variant's batch, time them in alternating blocks, print the medians and ratios."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -126,25 +82,10 @@ def main() -> None:
                         help="also free_read_1 and json_fixed_1: the parts of a constrained row's step")
     parser.add_argument("--temperature", type=float, default=0.7, help="the sampled rows' (default 0.7)")
     parser.add_argument("--top-p", type=float, default=1.0, help="the sampled rows' (default 1: none)")
-    parser.add_argument("--check-draw", action="store_true", help="first, the one-kernel CUDA draw against MLX's")
-    parser.add_argument("--check-only", action="store_true", help="only --check-draw")
-    parser.add_argument("--vocab", type=int, default=128256, help="--check-only's vocabulary (default Llama 3's)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     reexec_with_worker_blas()  # on a CPU, the BLAS the worker picks
     on_cpu = mx.default_device() == mx.cpu
-    on_cuda = cuda_draw.available()
-    checked = None
-    if args.check_draw or args.check_only:
-        if not on_cuda:
-            sys.exit("--check-draw needs a CUDA GPU")
-        vocab = args.vocab
-        if not args.check_only:
-            vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
-        checked = check_draw(vocab)
-        print(json.dumps({"check_draw": checked}, indent=1), flush=True)
-        if args.check_only:
-            return
     model, tokenizer = TextBackend().load(args.model, float32=on_cpu)  # as the worker: float32 on a CPU, joined on CUDA
     vocab = model.args.vocab_size
     budget = (args.blocks + 1) * (args.steps + 1) + 8
@@ -158,11 +99,10 @@ def main() -> None:
     for size in (int(s) for s in args.sizes.split(",")):
         variants[f"greedy_{size}"] = (batch_of(model, tokenizer, size, greedy, budget), False)
         variants[f"sampled_{size}"] = (batch_of(model, tokenizer, size, sampled, budget), False)
-        if on_cpu or on_cuda:  # the same rows drawing with MLX's ops instead of the device's own draw
-            variants[f"sampled_mlx_{size}"] = (mlx_drawn(batch_of(model, tokenizer, size, sampled, budget)), False)
+        if on_cpu:  # the same rows drawing with MLX's kernels, as on a GPU (the host's numpy draw is a CPU's default)
+            variants[f"sampled_mlx_{size}"] = (batch_of(model, tokenizer, size, sampled, budget), False)
+            variants[f"sampled_mlx_{size}"][0].sampler.host = False
         variants[f"mixed_{size}"] = (batch_of(model, tokenizer, size, mixed, budget), False)
-        if on_cuda:
-            variants[f"mixed_mlx_{size}"] = (mlx_drawn(batch_of(model, tokenizer, size, mixed, budget)), False)
         variants[f"mixed_plain_{size}"] = (batch_of(model, tokenizer, size, mixed, budget), True)
     variants["free_1"] = (batch_of(model, tokenizer, 1, greedy, budget), False)
     variants["json_1"] = (batch_of(model, tokenizer, 1, constrained, budget, tokenizer.encode("{")[-1]), False)
@@ -184,11 +124,9 @@ def main() -> None:
     ratios = {}
     for size in (int(s) for s in args.sizes.split(",")):
         ratios[f"sampled_vs_greedy_{size}"] = ms[f"greedy_{size}"] / ms[f"sampled_{size}"]
-        if on_cpu or on_cuda:
+        if on_cpu:
             ratios[f"sampled_mlx_vs_greedy_{size}"] = ms[f"greedy_{size}"] / ms[f"sampled_mlx_{size}"]
         ratios[f"mixed_vs_greedy_{size}"] = ms[f"greedy_{size}"] / ms[f"mixed_{size}"]
-        if on_cuda:
-            ratios[f"mixed_mlx_vs_greedy_{size}"] = ms[f"greedy_{size}"] / ms[f"mixed_mlx_{size}"]
         ratios[f"mixed_plain_vs_greedy_{size}"] = ms[f"greedy_{size}"] / ms[f"mixed_plain_{size}"]
     ratios["json_vs_free_1"] = ms["free_1"] / ms["json_1"]
     if args.grammar_parts:
@@ -199,7 +137,7 @@ def main() -> None:
     report = {"device": str(mx.default_device()), "model": str(args.model),
               "steps": args.steps, "blocks": args.blocks, "ms_per_step": ms,
               "blocks_ms": {k: [round(x, 3) for x in v] for k, v in times.items()},
-              "tokens_per_s_ratios": ratios, "check_draw": checked, "date": time.strftime("%Y-%m-%d %H:%M")}
+              "tokens_per_s_ratios": ratios, "date": time.strftime("%Y-%m-%d %H:%M")}
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:

@@ -17,8 +17,7 @@ once per step.
 
 On a CPU the draw runs in numpy on the host (`host_draw`), with the same definitions and uniforms: MLX's CPU
 kernels for its top-k, sort, cumulative sum and reductions are slow there (8 rows of a 49k vocabulary under
-top_p: 7.7 ms a step in MLX, 1.2 ms in numpy, on the project's 2-core machine). On a CUDA GPU it is one kernel
-(`cuda_draw`): there a step is bound by the host launching kernels, and MLX's draw with filters launched ~30.
+top_p: 7.7 ms a step in MLX, 1.2 ms in numpy, on the project's 2-core machine).
 
 Definitions follow mlx-lm where it has them (filters act on the untempered distribution, as its
 `make_sampler` does; the repetition penalty looks at the last REPETITION_CONTEXT tokens, prompt
@@ -35,7 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from jobs.contract import Sampling
-from workers.backends import cpu_math, cuda_draw
+from workers.backends import cpu_math
 
 CANDIDATES = 1024
 """The most likely tokens a row's top_p and min_p choose among: only they are sorted (sorting 8 rows of a
@@ -87,12 +86,10 @@ class BatchSampler:
     """The sampling state of a batch's rows, in the batch's row order: settings as arrays, the counts
     and recent tokens the penalties need, kept on the device and carried as rows join and leave."""
 
-    def __init__(self, vocab_size: int, host: bool | None = None, fused: bool | None = None):
+    def __init__(self, vocab_size: int, host: bool | None = None):
         self.vocab = vocab_size
         # Whether sampled rows draw on the host (numpy): by default on a CPU, where MLX's own kernels are slower.
         self.host = cpu_math.on_cpu() if host is None else host
-        # Whether they draw in one CUDA kernel (cuda_draw): by default on a CUDA GPU (else MLX's ops, as on Metal).
-        self.fused = (not self.host and cuda_draw.available()) if fused is None else fused
         self.rows: list[Row] = []
         self.drawn: list[int] = []  # draws each row has made: the counter of its uniforms
         self.counts: mx.array | None = None  # (B, V) occurrences in each row's answer, when a row has penalties
@@ -176,12 +173,6 @@ class BatchSampler:
             # Sampled rows without filters: they draw over the whole vocabulary (host_draw's second kind).
             self._settings["unfiltered"] = np.array([i for i, r in enumerate(rows) if r.temperature > 0
                                                      and not r.filtered], np.intp)
-            if self.fused:  # every row's filters, as cuda_draw takes them (top_p 1, top_k the vocabulary, min_p 0: none)
-                self._settings["filters"] = (
-                    mx.array([r.top_p if r.filtered else 1.0 for r in rows], mx.float32),
-                    mx.array([(r.top_k or min(CANDIDATES, self.vocab)) if r.filtered else self.vocab for r in rows],
-                             mx.int32),
-                    mx.array([r.min_p if r.filtered else 0.0 for r in rows], mx.float32))
         return self._settings
 
     def process(self, logits: mx.array, inputs: mx.array, generated: list[bool]) -> mx.array:
@@ -216,9 +207,6 @@ class BatchSampler:
         uniform = uniforms(settings["seed_lo"], settings["seed_hi"], drawn)
         if self.host:
             return mx.array(host_draw(np.array(logprobs.astype(mx.float32)), settings, uniform))
-        if self.fused:
-            return cuda_draw.draw(logprobs, settings["inverse"], settings["sampled"], mx.array(uniform),
-                                  *settings["filters"])
         floor = settings["floor"]
         for group in settings["filtered"]:
             rows = group["rows"]
