@@ -8,6 +8,8 @@ when, and whose turn the next piece of work is.
   ones fill them: `interactive_headroom`), a solo task (a transcription...) when its lane's slot is free
   and, for the batch lane, the interactive one is too; while no async text can join, every FULL_LOOK_S,
   and at once after a request ends. A chat may overtake a transcription still waiting in the same queue.
+  With a `QueueWatch` (the worker's), a look that finds every queue empty is not made at all: a thread of its
+  own counts what waits, and the scheduler's thread looks only when something does (workers/queue_watch.py).
 - **Several workers.** Workers that take from the same queues write how many text requests each holds at
   every look, and a look takes at most an even share of what they all hold and what waits (`_share`).
 - **Fair share.** Within a queue, jobs are taken round robin among the keys that submitted them, the key
@@ -36,6 +38,7 @@ from rq.job import Job
 
 from jobs import keys, queues
 from workers import rqjobs
+from workers.queue_watch import QueueWatch
 
 if TYPE_CHECKING:  # only named in annotations (the batch modules load MLX)
     from workers.backends.embeddings import EmbeddingBatch
@@ -51,7 +54,7 @@ ADMIT_EVERY_S = 0.01
 FULL_LOOK_S = 0.1
 """How often while no text request can join (the batches full, or one waiting for memory): a transcription
 waits that much longer to start, and a decode step at 64 streams no longer waits for a Redis round trip every
-10 ms (~1 ms of a 10 ms step on a GPU host). The look comes at once when a request ends (`look_now`)."""
+10 ms (~1 ms of a 10 ms step on a GPU host). The look comes at once when a request ends (`place_freed`)."""
 
 INTERACTIVE_LOOK_S = 0.025
 """While no async text can join but interactive text still can (its headroom), how often the interactive queues
@@ -144,14 +147,17 @@ class Admission:
     """Takes jobs off the queues when they can join, and picks the next piece of work."""
 
     def __init__(self, floor: Floor, conn: redis.Redis, queue_list: list[Queue], burst: bool = False,
-                 name: str | None = None):
+                 name: str | None = None, watch: bool = False):
         self.floor, self.conn, self.queues = floor, conn, queue_list
         self.name = name  # this worker's, under which it shares its load with its peers (None: it does not)
         self._loads_key = keys.worker_loads([q.name for q in queue_list])
+        # `watch`: what waits is counted on a thread of its own (the worker's; the policy's tests look every time)
+        self.watch = QueueWatch(conn, [q.key for q in queue_list], self._loads_key, name) if watch else None
         self.wait_s = None if burst else POLL_S  # burst mode never waits for a job
         self._described: dict[str, tuple[str | None, str, float]] = {}  # queued job id -> (kind, owner, share)
         self.headroom = interactive_headroom(floor.max_batch)
         self._next_look = self._next_quick_look = 0.0
+        self._forced = False  # `look_now`: the next look is made whatever the watch counted
         self._text_since_solo = 0.0  # seconds of batch steps since a solo task last had a piece
         self._turn = 0
         self._batch_turn = 0
@@ -169,11 +175,16 @@ class Admission:
             self._look()
             return True
         now = time.monotonic()
-        if now >= self._next_look:
-            return self._look()
-        if now >= self._next_quick_look and self._text_room(queues.INTERACTIVE):
-            return self._look(quick=True)
-        return False
+        if self.watch is not None:
+            self.watch.want()
+            self.watch.load = self._text_load()
+        due = now >= self._next_look
+        if not due and not (now >= self._next_quick_look and self._text_room(queues.INTERACTIVE)):
+            return False
+        if self.watch is not None and not self._forced and self.watch.nothing_waits():
+            return False  # (the look stays due: it comes at the first step after something is counted)
+        self._forced = False
+        return self._look(quick=not due)
 
     def _look(self, quick: bool = False) -> bool:
         """Take what can join the work in progress from the first jobs of each queue, fairly among keys (`quick`:
@@ -262,12 +273,19 @@ class Admission:
         return sum(len(b) for b in self.floor.batches()) + self.floor.held()
 
     def forget(self) -> None:
-        """Take this worker out of the loads its peers share by (it stops)."""
+        """Take this worker out of the loads its peers share by (it stops), and stop counting its queues."""
+        if self.watch is not None:
+            self.watch.stop()
         if self.name is not None:
             self.conn.hdel(self._loads_key, self.name)
 
     def look_now(self) -> None:
-        """Look at the queues at the next `admit`, however recent the last look."""
+        """Look at the queues at the next `admit`, however recent the last look and whatever the watch counted."""
+        self._next_look = 0.0
+        self._forced = True
+
+    def place_freed(self) -> None:
+        """A request ended: the next look may come at the next `admit` (if the watch counts anything waiting)."""
         self._next_look = 0.0
 
     def pick(self) -> TextBatch | EmbeddingBatch | Task | None:

@@ -70,7 +70,7 @@ class Scheduler:
         self.waiting_solo: dict[str, deque[Task]] = {queues.INTERACTIVE: deque(), queues.BATCH: deque()}
         self.prompt_cache = PromptCache(max_size=64, max_bytes=settings.prompt_cache_mb * 2**20)
         self.prompt_disk = prompt_disk.open_tier(settings)  # its disk tier (None: off, or another worker's)
-        self.admission = Admission(self, conn, list(self.queues.values()), burst, name=name)
+        self.admission = Admission(self, conn, list(self.queues.values()), burst, name=name, watch=True)
         self.stopping = self.cold = False
         self._next_expiry = 0.0
         self._spent, self._spent_since = Counter(), time.monotonic()  # DEBUG: where the loop's time goes
@@ -368,7 +368,7 @@ class Scheduler:
                 task.gen.close()
         except Exception:  # closing never decides the job's outcome, which is already recorded
             log.exception("closing the run of %s failed", task.job.id)
-        self.admission.look_now()  # its place is free: what waits may join at the next step
+        self.admission.place_freed()  # its place is free: what waits may join at the next step
         with self._lock:
             self._running.discard(task)
             for lane, current in self.solo.items():

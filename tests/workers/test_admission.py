@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 from jobs import queues
-from workers import admission
+from workers import admission, queue_watch
 from workers.admission import Admission
 
 
@@ -157,7 +157,7 @@ def test_while_no_text_can_join_the_queues_are_looked_at_less_often_until_a_plac
     policy.admit()
     assert len(looks) == 2  # but one every FULL_LOOK_S, for a transcription
     floor.max_batch = 2  # a place freed (a request ended): the scheduler asks for a look at once
-    policy.look_now()
+    policy.place_freed()
     policy.admit()
     clock[0] += 2 * admission.ADMIT_EVERY_S
     policy.admit()
@@ -260,3 +260,47 @@ def test_a_burst_is_shared_out_evenly_among_the_workers_on_the_same_queues(redis
     assert alone._share({"solo": 0}, 6) == 6  # no peer on its queues: it takes what it can
     mine.forget()
     assert mine._peek([], [])[1] == {"peer": 0, "me": 1}  # (and its next look writes it back)
+
+
+def test_with_a_watch_a_look_is_made_only_when_something_waits(redis_conn, settings, monkeypatch):
+    floor = Floor(max_batch=4, text=[Batch(members=1)])  # room to join
+    names = [queues.INTERACTIVE, queues.BATCH]
+    policy = Admission(floor, redis_conn, [queues.get_queue(n, redis_conn) for n in names], True, name="me",
+                       watch=True)
+    policy.watch.stop()  # (its thread ends at once: the counts below are the test's own, in order)
+    looks = []
+    peek = Admission._peek
+    monkeypatch.setattr(Admission, "_peek", lambda self, *a: looks.append(1) or peek(self, *a))
+    assert policy.watch.count() == 0
+    policy.place_freed()
+    assert not policy.admit() and looks == []  # due, but every queue was empty: no round trip on this thread
+    assert redis_conn.hget(policy._loads_key, "me").decode().startswith("0:")  # the watch wrote the load
+    _enqueue(redis_conn, settings, queues.INTERACTIVE, queues.CHAT_COMPLETION, "chat-1")
+    assert policy.watch.count() == 1
+    assert policy.admit() and looks == [1] and floor.begun == [("chat-1", queues.INTERACTIVE)]
+    assert policy.watch.count() == 0
+    policy.watch._counted_at -= queue_watch.STALE_S  # a count too old says nothing: the look is made
+    policy.place_freed()
+    policy.admit()
+    assert looks == [1, 1]
+    assert policy.watch.count() == 0
+    policy.look_now()  # asked for, a look is made whatever the count
+    policy.admit()
+    assert looks == [1, 1, 1]
+
+
+def test_the_watch_counts_on_its_own_thread_while_wanted_and_stops(redis_conn, settings):
+    watch = queue_watch.QueueWatch(redis_conn, [queues.get_queue(queues.INTERACTIVE, redis_conn).key],
+                                   every_s=0.001)
+    _enqueue(redis_conn, settings, queues.INTERACTIVE, queues.CHAT_COMPLETION, "chat-1")
+    watch.want()
+    assert watch.counted.wait(5)
+    assert watch._waiting == 1 and not watch.nothing_waits()
+    queues.get_queue(queues.INTERACTIVE, redis_conn).remove("chat-1")
+    for _ in range(2):  # (the first count may have begun before the removal; the second began after it)
+        watch.counted.clear()
+        assert watch.counted.wait(5)
+    assert watch.nothing_waits()
+    watch.stop()
+    watch._thread.join(5)
+    assert not watch._thread.is_alive()
