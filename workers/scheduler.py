@@ -71,8 +71,8 @@ class Scheduler:
         self.prompt_cache = PromptCache(max_size=64, max_bytes=settings.prompt_cache_mb * 2**20)
         self.prompt_disk = prompt_disk.open_tier(settings)  # its disk tier (None: off, or another worker's)
         # On a GPU what waits is counted on a thread of its own (workers/queue_watch.py): a look there is ~0.5 ms of a
-        # ~10 ms step. Not on a CPU, where it is ~0.5 % of a step and counting every 5 ms cost more than it saved
-        # (the suite on this project's 2-core VM, 2026-11-28: 816 s without it, 847 s with it, 4.1 → 4.8 system minutes).
+        # ~10 ms step. Not on a CPU, where a look is ~0.5 % of a ~100 ms step: nothing to gain for 200 Redis round
+        # trips a second per busy worker.
         watch = models.platform.backend in ("cuda", "metal")
         self.admission = Admission(self, conn, list(self.queues.values()), burst, name=name, watch=watch)
         self.stopping = self.cold = False
