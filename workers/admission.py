@@ -38,7 +38,7 @@ from rq.job import Job
 
 from jobs import keys, queues
 from workers import rqjobs
-from workers.queue_watch import QueueWatch
+from workers.queue_watch import QueueWatch, load_entry
 
 if TYPE_CHECKING:  # only named in annotations (the batch modules load MLX)
     from workers.backends.embeddings import EmbeddingBatch
@@ -242,7 +242,7 @@ class Admission:
         that takes from the same queues holds (this one's written now), in one round trip."""
         with self.conn.pipeline(transaction=False) as pipe:
             if self.name is not None:
-                pipe.hset(self._loads_key, self.name, f"{self._text_load()}:{time.time():.3f}")
+                pipe.hset(self._loads_key, self.name, load_entry(self._text_load()))
                 pipe.expire(self._loads_key, 3600)
                 pipe.hgetall(self._loads_key)
             for queue, depth in zip(looked, depths, strict=True):

@@ -16,6 +16,8 @@ import time
 
 import redis
 
+from jobs.subscriber import REDIS_DOWN
+
 WATCH_S = 0.005
 """How often the queues are counted while work runs."""
 
@@ -27,7 +29,9 @@ WANTED_S = 1.0
 """The thread counts while the scheduler asked for counts within this long (it stops polling Redis when the
 worker idles, or is left without being stopped, as in a test)."""
 
-REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+def load_entry(load: int) -> str:
+    """A worker's entry in its peers' loads: how many text requests it holds, and when it said so."""
+    return f"{load}:{time.time():.3f}"
 
 
 class QueueWatch:
@@ -63,7 +67,7 @@ class QueueWatch:
         """Count the waiting jobs now (and write the load), in one round trip."""
         with self.conn.pipeline(transaction=False) as pipe:
             if self.name is not None and self.loads_key is not None:
-                pipe.hset(self.loads_key, self.name, f"{self.load}:{time.time():.3f}")
+                pipe.hset(self.loads_key, self.name, load_entry(self.load))
                 pipe.expire(self.loads_key, 3600)
             for key in self.queue_keys:
                 pipe.llen(key)
