@@ -73,8 +73,8 @@ class Scheduler:
         # On a GPU what waits is counted on a thread of its own (workers/queue_watch.py): a look there is ~0.5 ms of a
         # ~10 ms step. Not on a CPU, where a look is ~0.5 % of a ~100 ms step: nothing to gain for 200 Redis round
         # trips a second per busy worker.
-        watch = models.platform.backend in ("cuda", "metal")
-        self.admission = Admission(self, conn, list(self.queues.values()), burst, name=name, watch=watch)
+        self.on_gpu = models.platform.backend in ("cuda", "metal")
+        self.admission = Admission(self, conn, list(self.queues.values()), burst, name=name, watch=self.on_gpu)
         self.stopping = self.cold = False
         self._next_expiry = 0.0
         self._spent, self._spent_since = Counter(), time.monotonic()  # DEBUG: where the loop's time goes
@@ -266,9 +266,9 @@ class Scheduler:
         key = str(request.model.path)
         if key not in self.embed:
             resident = self.models.get(request.model, pinned=self._batched_paths())
-            gpu = self.models.platform.backend in ("cuda", "metal")
             with self._lock:
-                self.embed[key] = EmbeddingBatch(resident, PASS_TOKENS_GPU if gpu else PASS_TOKENS_CPU, self.conn)
+                self.embed[key] = EmbeddingBatch(resident, PASS_TOKENS_GPU if self.on_gpu else PASS_TOKENS_CPU,
+                                                 self.conn)
         return self.embed[key]
 
     def _set_solo(self, lane: str, task: Task) -> None:
