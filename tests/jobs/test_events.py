@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 
 from jobs import keys
-from jobs.events import _PUBLISH_LUA, DELTA, DONE, ERROR, EventPublisher, has_ended, read_log
+from jobs.events import (
+    _PUBLISH_ALL_LUA,
+    _PUBLISH_LUA,
+    DELTA,
+    DONE,
+    ERROR,
+    EventPublisher,
+    has_ended,
+    read_log,
+)
 
 
 @pytest.fixture()
@@ -44,6 +53,21 @@ def test_a_resent_publish_is_applied_once(redis_conn, publisher):
     assert redis_conn.eval(_PUBLISH_LUA, 4, *job_keys, *args) == [1, 0]
     assert len(read_log(redis_conn, "job-d")) == 1
     assert publisher.publish("job-d", DELTA, {"text": "y"}) == 2  # a new publish goes on as usual
+
+
+def test_a_resent_publish_of_several_jobs_is_applied_once_for_each(redis_conn, publisher):
+    # One call for a decode step's jobs: two events for job-h, one for job-i, the same token if it is sent again.
+    job_keys = [k for job in ("job-h", "job-i") for k in (keys.event_seq(job), keys.event_log(job),
+                                                          keys.event_channel(job), keys.cancel_flag(job))]
+    args = [60, 100, "token-2", 2, DELTA, '{"text":"a"}', DELTA, '{"text":"b"}', 1, DONE, "{}"]
+    assert redis_conn.eval(_PUBLISH_ALL_LUA, 8, *job_keys, *args) == [2, 0, 1, 0]
+    assert redis_conn.eval(_PUBLISH_ALL_LUA, 8, *job_keys, *args) == [2, 0, 1, 0]
+    assert [e["data"].get("text") for e in read_log(redis_conn, "job-h")] == ["a", "b"]
+    assert [e["type"] for e in read_log(redis_conn, "job-i")] == [DONE]
+    # A later step goes on: job-h's next event, and job-i's none (it ended: 0, nothing published).
+    assert publisher.publish_all([("job-h", [(DELTA, {"text": "c"})]), ("job-i", [(DELTA, {"text": "d"})])]) == [
+        (3, False), (0, False)]
+    assert len(read_log(redis_conn, "job-i")) == 1
 
 
 def test_several_jobs_publish_in_one_round_trip_even_after_redis_lost_its_scripts(redis_conn, publisher):
