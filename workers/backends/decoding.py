@@ -13,6 +13,7 @@ cache, and the last one left gets a plain cache again.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -87,6 +88,7 @@ class DecodeBatch:
         self.inputs: mx.array | None = None  # (B,) the tokens the next step feeds (being computed)
         self.input_logprobs: mx.array | None = None  # (B, V) what they were drawn from, when any slot wants them
         self.steps = 0
+        self.waited_s = 0.0  # in `step`, waiting for the device's last tokens (the rest of a step is the host's)
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -145,7 +147,9 @@ class DecodeBatch:
             wanted = any(slot.logprobs for slot in self.slots)
             self.input_logprobs = logprobs if wanted else None
             mx.async_eval(self.inputs, *([logprobs] if wanted else []))
+            waiting = time.perf_counter()
             tokens = current.tolist()
+            self.waited_s += time.perf_counter() - waiting
         self.steps += 1
         if self.steps % CLEAR_EVERY == 0:
             mx.clear_cache()

@@ -386,9 +386,11 @@ class TextBatch:
         """One token for every decoding sequence; those that finished leave (their caches are kept after their
         answers: `keep_left`). The seconds they took to leave the batch (for the slow-step log)."""
         began = time.monotonic()
+        waited = self.decoder.waited_s
         tokens = self.decoder.step()
         if log.isEnabledFor(logging.DEBUG):
             self.spent["engine"] += time.monotonic() - began
+            self.spent["engine_wait"] += self.decoder.waited_s - waited  # (of it, for the device)
         finished = [out.key for out in tokens if out.key.advance(out.token, out.finish_reason, out.logprobs)]
         if not finished:
             return 0.0
