@@ -119,16 +119,22 @@ class EventPublisher:
         returns."""
         if len(batches) == 1:
             return [self.publish_many(*batches[0])]
-        job_keys: list = []
-        args: list = [self.ttl_s, self.log_max, uuid.uuid4().hex]  # one token: each job keeps it as its last
+        # One token names the call and each job keeps it as its last: a job named twice would have its second
+        # part taken for a resend, so each job's events go once, in order.
+        merged: dict[str, list] = {}
         for job_id, events in batches:
+            merged.setdefault(job_id, []).extend(events)
+        job_keys: list = []
+        args: list = [self.ttl_s, self.log_max, uuid.uuid4().hex]
+        for job_id, events in merged.items():
             job_keys += _keys_of(job_id)
             args.append(len(events))
             args += _event_args(events)
         # EVALSHA through the registered script (it loads the script again into a restarted Redis that lost it;
         # the token makes sending it again safe).
         flat = self._script_all(keys=job_keys, args=args)
-        return [(int(flat[i]), bool(flat[i + 1])) for i in range(0, len(flat), 2)]
+        replies = {job_id: (int(flat[2 * i]), bool(flat[2 * i + 1])) for i, job_id in enumerate(merged)}
+        return [replies[job_id] for job_id, _ in batches]
 
     def error(self, job_id: str, data: dict) -> int:
         """Publish the terminal error event of a job (data: jobs.errors.error_data's shape)."""

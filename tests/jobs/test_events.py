@@ -70,6 +70,13 @@ def test_a_resent_publish_of_several_jobs_is_applied_once_for_each(redis_conn, p
     assert len(read_log(redis_conn, "job-i")) == 1
 
 
+def test_a_job_named_twice_in_one_call_gets_all_its_events_in_order(redis_conn, publisher):
+    batches = [("job-j", [(DELTA, {"text": "a"})]), ("job-k", [(DELTA, {"text": "b"})]),
+               ("job-j", [(DELTA, {"text": "c"})])]
+    assert publisher.publish_all(batches) == [(2, False), (1, False), (2, False)]
+    assert [e["data"]["text"] for e in read_log(redis_conn, "job-j")] == ["a", "c"]
+
+
 def test_several_jobs_publish_in_one_round_trip_even_after_redis_lost_its_scripts(redis_conn, publisher):
     redis_conn.set(keys.cancel_flag("job-f"), 1)
     batches = [("job-e", [(DELTA, {"text": "a"})]), ("job-f", [(DELTA, {"text": "b"})])]
