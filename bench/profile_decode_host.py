@@ -67,6 +67,11 @@ class TimedPublisher(EventPublisher):
             TimedPublisher.cpu_s += time.thread_time() - began
 
 
+def delta(token: int) -> dict:
+    """A row's delta event data for one token, shaped as a chat stream's."""
+    return {"choices": [{"index": 0, "delta": {"content": f" {token}"}}]}
+
+
 def private_redis() -> tuple[subprocess.Popen, redis.Redis]:
     """A redis-server of its own on a free port (nothing persisted), and a connection to it once it answers."""
     found = redis_server_binary()
@@ -107,8 +112,7 @@ def run(model, tokenizer, rows: int, steps: int, host_ms: float, conn: redis.Red
         out = batch.step()
         inside += time.perf_counter() - t
         if publishing is not None:
-            delta = lambda token: {"choices": [{"index": 0, "delta": {"content": f" {token}"}}]}  # noqa: E731
-            publishing.submit([(f"probe-{i}", [(DELTA, delta(out_i.token))]) for i, out_i in enumerate(out)])
+            publishing.submit([(f"probe-{i}", [(DELTA, delta(token.token))]) for i, token in enumerate(out)])
         busy(host_ms)
     took = time.perf_counter() - began
     if publishing is not None:

@@ -85,6 +85,7 @@ end
 return out
 """
 
+
 class EventPublisher:
     """Publishes events for jobs (used by the worker, and by readers to fail a job whose worker died)."""
 
