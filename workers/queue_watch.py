@@ -29,6 +29,7 @@ WANTED_S = 1.0
 """The thread counts while the scheduler asked for counts within this long (it stops polling Redis when the
 worker idles, or is left without being stopped, as in a test)."""
 
+
 def load_entry(load: int) -> str:
     """A worker's entry in its peers' loads: how many text requests it holds, and when it said so."""
     return f"{load}:{time.time():.3f}"
